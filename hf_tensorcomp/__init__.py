@@ -1,0 +1,14 @@
+"""hf_tensorcomp: tensor and structured compression for transformers models, loaded like a quantizer.
+
+    import hf_tensorcomp
+    cfg = hf_tensorcomp.TensorCompressionConfig(method="laser", rank=0.25, targets=["mlp.*"], layers=[-1])
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)
+"""
+
+from .config import TensorCompressionConfig
+from .integration import AutoModelForCausalLM, TensorCompQuantizer
+from .layers import LowRankLinear
+
+__version__ = "0.1.0"
+
+__all__ = ["TensorCompressionConfig", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "__version__"]

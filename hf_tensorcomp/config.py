@@ -1,0 +1,192 @@
+"""`TensorCompressionConfig`: what to compress, how, and (after compression) what was built.
+
+The config is a transformers quantization config (``quant_method="tensorcomp"``), so it rides in
+``config.json`` like any other and is handed back to the quantizer on reload.
+
+One config holds one or more *entries*. An entry is one method applied to one group of modules::
+
+    TensorCompressionConfig(method="laser", rank=0.25, targets=["mlp.*"], layers=[-1])
+    TensorCompressionConfig(entries=[
+        {"method": "tensorllm", "ranks": (64, 32, 3), "layers": [-2]},
+        {"method": "laser", "rank": 0.2, "targets": ["mlp.*"], "layers": [-2]},
+    ])
+
+Everything is validated at construction; each error names the field and the allowed values.
+After compression, ``compressed_modules`` records the factor layout of every replaced module, so a
+saved checkpoint can be rebuilt (on the meta device) before its weights load.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+QUANT_METHOD = "tensorcomp"
+FORMAT_VERSION = 1
+MODES = ("factorized", "dense")
+ENTRY_FIELDS = ("method", "rank", "targets", "layers", "mode")
+
+
+def _fail(field: str, got: Any, allowed: str) -> None:
+    raise ValueError(f"TensorCompressionConfig.{field}: got {got!r}; allowed: {allowed}")
+
+
+def validate_rank(rank: Any, field: str = "rank") -> int | float:
+    """An int >= 1 (absolute rank) or a float in (0, 1] (fraction of the full rank)."""
+    if isinstance(rank, bool):
+        _fail(field, rank, "an int >= 1 or a float in (0, 1]")
+    if isinstance(rank, int):
+        if rank < 1:
+            _fail(field, rank, "an int >= 1 or a float in (0, 1]")
+        return rank
+    if isinstance(rank, float):
+        if not 0.0 < rank <= 1.0:
+            _fail(field, rank, "an int >= 1 or a float in (0, 1]")
+        return rank
+    _fail(field, rank, "an int >= 1 or a float in (0, 1]")
+
+
+def resolve_rank(rank: int | float, full: int) -> int:
+    """Turn a validated rank (int, or fraction of `full`) into an int in [1, full]."""
+    if isinstance(rank, float):
+        return max(1, min(full, round(rank * full)))
+    return rank
+
+
+class Entry:
+    """One method applied to one group of modules. Built and validated by `TensorCompressionConfig`."""
+
+    def __init__(self, method: str, rank=None, targets=None, layers=None, mode="factorized", **options):
+        from .methods import get_method  # late: methods import layers, which import torch
+
+        m = get_method(method)  # raises on unknown method
+        self.method = method
+        self.mode = mode
+        if mode not in MODES:
+            _fail("mode", mode, " | ".join(repr(x) for x in MODES))
+        if targets is None:
+            targets = list(m.default_targets)
+        if isinstance(targets, str):
+            targets = [targets]
+        if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
+            _fail("targets", targets, "a non-empty list of module-name patterns such as ['mlp.*', 'self_attn.q_proj']")
+        self.targets = list(targets)
+        if layers is not None:
+            if isinstance(layers, int) and not isinstance(layers, bool):
+                layers = [layers]
+            if (
+                not isinstance(layers, (list, tuple))
+                or not layers
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+            ):
+                _fail("layers", layers, "None (all layers) or a non-empty list of ints (negatives count from the end)")
+            layers = list(layers)
+        self.layers = layers
+        self.rank = validate_rank(m.default_rank if rank is None else rank) if m.uses_rank else rank
+        self.options = m.validate_options(options)
+
+    def to_dict(self) -> dict:
+        d = {"method": self.method, "rank": self.rank, "targets": self.targets, "layers": self.layers, "mode": self.mode}
+        d.update(copy.deepcopy(self.options))
+        return d
+
+
+class TensorCompressionConfig(QuantizationConfigMixin):
+    """Compression config passed as ``quantization_config=`` (or ``compression_config=``) to ``from_pretrained``.
+
+    Args:
+        method: ``"laser"`` (more methods register themselves in ``hf_tensorcomp.methods``).
+        rank: int >= 1 (rank) or float in (0, 1] (fraction of each matrix's full rank).
+        targets: module-name patterns (fnmatch) relative to a decoder layer, e.g. ``["mlp.*"]``,
+            ``["self_attn.q_proj", "self_attn.k_proj"]``; the method's default if omitted.
+        layers: decoder-layer indices (negatives count from the end); all layers if omitted.
+        mode: ``"factorized"`` keeps the factors and runs a factored forward; ``"dense"`` writes the
+            approximation back into ordinary ``nn.Linear`` weights.
+        entries: instead of the fields above, a list of dicts (or `Entry` objects), one per module group.
+        progress: show tqdm progress bars while compressing.
+        **options: method-specific options (each method lists and validates its own).
+    """
+
+    def __init__(
+        self,
+        method: str | None = None,
+        rank: int | float | None = None,
+        targets: list[str] | str | None = None,
+        layers: list[int] | int | None = None,
+        mode: str = "factorized",
+        entries: list | None = None,
+        progress: bool = True,
+        compressed_modules: dict | None = None,
+        stats: dict | None = None,
+        format_version: int = FORMAT_VERSION,
+        quant_method: str = QUANT_METHOD,
+        **options,
+    ):
+        self.quant_method = QUANT_METHOD
+        if quant_method != QUANT_METHOD:
+            _fail("quant_method", quant_method, repr(QUANT_METHOD))
+        if format_version != FORMAT_VERSION:
+            _fail("format_version", format_version, f"{FORMAT_VERSION} (this hf_tensorcomp release)")
+        if entries is not None:
+            if method is not None or rank is not None or targets is not None or layers is not None or options:
+                raise ValueError(
+                    "TensorCompressionConfig: pass either `entries=[...]` or the single-entry fields "
+                    "(method, rank, targets, layers, options), not both"
+                )
+            if not isinstance(entries, (list, tuple)) or not entries:
+                _fail("entries", entries, "a non-empty list of dicts, each with a 'method' key")
+            built = []
+            for i, e in enumerate(entries):
+                if isinstance(e, Entry):
+                    built.append(e)
+                    continue
+                if not isinstance(e, dict) or "method" not in e:
+                    _fail(f"entries[{i}]", e, "a dict with a 'method' key")
+                e = dict(e)
+                e.setdefault("mode", mode)
+                built.append(Entry(**e))
+            self.entries = built
+        else:
+            self.entries = [Entry(method or "laser", rank=rank, targets=targets, layers=layers, mode=mode, **options)]
+        if not isinstance(progress, bool):
+            _fail("progress", progress, "True | False")
+        self.progress = progress
+        if compressed_modules is not None and not isinstance(compressed_modules, dict):
+            _fail("compressed_modules", compressed_modules, "a dict {module name: layer spec} written by hf_tensorcomp")
+        self.compressed_modules = dict(compressed_modules or {})
+        self.stats = dict(stats or {})
+        self.format_version = FORMAT_VERSION
+
+    # -- the single-entry view, so `cfg.method`, `cfg.rank` read naturally --------------------------
+    @property
+    def method(self) -> str:
+        return self.entries[0].method if len(self.entries) == 1 else "+".join(e.method for e in self.entries)
+
+    @property
+    def mode(self) -> str:
+        return self.entries[0].mode
+
+    @property
+    def rank(self):
+        return self.entries[0].rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": self.quant_method,
+            "format_version": self.format_version,
+            "entries": [e.to_dict() for e in self.entries],
+            "progress": self.progress,
+            "compressed_modules": copy.deepcopy(self.compressed_modules),
+            "stats": copy.deepcopy(self.stats),
+        }
+
+    def __iter__(self):
+        yield from self.to_dict().items()
+
+    def __eq__(self, other):
+        return isinstance(other, TensorCompressionConfig) and self.to_dict() == other.to_dict()
+
+    def get_loading_attributes(self) -> dict:
+        return {}

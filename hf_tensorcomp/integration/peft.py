@@ -1,0 +1,75 @@
+"""LoRA on factored modules, through PEFT's custom-module mapping.
+
+PEFT only knows its own layer types; a `LowRankLinear` named ``q_proj`` is adapted once the mapping
+is registered on the `LoraConfig`. What a user calls::
+
+    from hf_tensorcomp.integration.peft import lora_config, load_lora
+    model = get_peft_model(model, lora_config(r=8, target_modules=["q_proj", "v_proj"]))
+    ... train ...
+    merged = model.merge_and_unload()      # exact: the LoRA factors are appended, the rank grows by r
+    merged.save_pretrained("out")          # a compressed checkpoint again; reloads with from_pretrained
+    # or keep the adapter separate:
+    model.save_pretrained("adapter"); model = load_lora(base, "adapter")
+
+Merging never densifies: W = U V plus B A (scaled) is stored as [U | s B] [V ; A], rank r + r_lora.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, PeftModel
+from peft.tuners.lora.layer import Linear as _LoraLinear
+
+from ..layers import LowRankLinear
+
+
+class LoraLowRankLinear(_LoraLinear):
+    """PEFT's LoRA `Linear`, with merge/unmerge done in factor space on a `LowRankLinear` base."""
+
+    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+        from peft.tuners.tuners_utils import check_adapters_to_merge
+
+        base = self.get_base_layer()
+        for name in check_adapters_to_merge(self, adapter_names):
+            if name not in self.lora_A:
+                continue
+            if name in self.lora_variant:
+                raise NotImplementedError("hf_tensorcomp: merging LoRA variants (DoRA, ...) into factored layers")
+            a = self.lora_A[name].weight
+            b = self.lora_B[name].weight * self.scaling[name]
+            if safe_merge and not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
+            base.append_factors(b.to(base.weight.dtype), a.to(base.weight.dtype))
+            if self.lora_bias[name]:
+                if base.bias is None:
+                    raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base layer has no bias.")
+                base.bias.data += self.lora_B[name].bias * self.scaling[name]
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        base = self.get_base_layer()
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            base.truncate(base.rank - self.lora_A[name].weight.shape[0])
+            if self.lora_bias[name]:
+                base.bias.data -= self.lora_B[name].bias * self.scaling[name]
+
+
+CUSTOM_MODULES = {LowRankLinear: LoraLowRankLinear}
+
+
+def register(config: LoraConfig) -> LoraConfig:
+    """Register hf_tensorcomp's factored layers on a `LoraConfig` (returns it)."""
+    config._register_custom_module(CUSTOM_MODULES)
+    return config
+
+
+def lora_config(**kwargs) -> LoraConfig:
+    """`LoraConfig(**kwargs)` that can target factored modules by their usual names."""
+    return register(LoraConfig(**kwargs))
+
+
+def load_lora(model, adapter_dir, **kwargs) -> PeftModel:
+    """`PeftModel.from_pretrained` for an adapter trained on a compressed model."""
+    config = register(LoraConfig.from_pretrained(adapter_dir))
+    return PeftModel.from_pretrained(model, adapter_dir, config=config, **kwargs)

@@ -1,0 +1,80 @@
+"""`TensorCompQuantizer`: runs compression at load time, the way transformers runs a quantizer.
+
+Hook order in ``from_pretrained`` (transformers 5.23): validate_environment → model built on meta →
+`_process_model_before_weight_loading` → weights load → dispatch → `_process_model_after_weight_loading`.
+
+- Compressing a dense checkpoint (``pre_quantized=False``): the plan is validated on the meta model
+  (bad layers / targets / ranks fail before any weight loads); the dense weights load; then each
+  chosen decoder layer is compressed in turn.
+- Reloading a compressed checkpoint (``pre_quantized=True``, the config came from config.json):
+  the factored modules are built empty on meta from ``compressed_modules``; the factors then load
+  straight into them. No dense weight of a compressed module is ever created.
+"""
+
+from __future__ import annotations
+
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+
+from .. import surgery
+from ..config import QUANT_METHOD, TensorCompressionConfig
+
+register_quantization_config(QUANT_METHOD)(TensorCompressionConfig)
+
+_OFFLOAD = ("cpu", "disk", "meta")
+
+
+def _is_offloaded(device_map) -> bool:
+    """True when a device map puts some modules on an accelerator and others on cpu/disk (offload)."""
+    if not isinstance(device_map, dict):
+        return False
+    values = {str(v) for v in device_map.values()}
+    return "disk" in values or (bool(values & {"cpu", "meta"}) and bool(values - set(_OFFLOAD)))
+
+
+@register_quantizer(QUANT_METHOD)
+class TensorCompQuantizer(HfQuantizer):
+    requires_calibration = False
+
+    def validate_environment(self, device_map=None, **kwargs):
+        if not self.pre_quantized and _is_offloaded(device_map):
+            raise ValueError(
+                "hf_tensorcomp: device_map offloads part of the model to cpu/disk; compressing at load time with "
+                "offload gives wrong results (accelerate dispatches before compression). Allowed: device_map=None, "
+                "'auto' without offload, or a map onto one kind of device. Compress first, save, then reload with offload."
+            )
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        if self.pre_quantized:
+            surgery.build_skeleton(model, self.quantization_config)
+        else:
+            self._work = surgery.plan(model, self.quantization_config)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if not self.pre_quantized:
+            if _is_offloaded(getattr(model, "hf_device_map", None)):
+                self.validate_environment(device_map=model.hf_device_map)
+            surgery.compress_model(model, self.quantization_config, getattr(self, "_work", None))
+            self.pre_quantized = True  # the model now holds factors: save as such
+        return model
+
+    def get_state_dict_and_metadata(self, model):
+        # called by save_pretrained before config.json is written: record the factors as they are now
+        # (a LoRA merge may have grown a rank since compression)
+        self.quantization_config.compressed_modules = surgery.factored_specs(model)
+        return None, {}
+
+    def is_serializable(self):
+        return True
+
+    @property
+    def is_trainable(self):
+        return True
+
+    @property
+    def is_qat_trainable(self):
+        return True
+
+    @property
+    def is_compileable(self):
+        return True

@@ -1,0 +1,149 @@
+"""Finding targets in a model, replacing modules layer by layer, and rebuilding a saved skeleton.
+
+Plain torch: works on any model whose decoder layers sit in one ``nn.ModuleList`` named ``...layers``
+(Llama, Qwen, Gemma, Mistral, Phi, GPT-NeoX and most others in transformers).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .config import TensorCompressionConfig
+from .layers import FactorizedModule, build_from_spec
+from .methods import get_method
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    best = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.split(".")[-1] == "layers" and len(mod) > 0:
+            if best is None or len(mod) > len(best[1]):
+                best = (name, mod)
+    if best is None:
+        raise ValueError(
+            f"{type(model).__name__}: no decoder-layer list (an nn.ModuleList named '...layers') found; "
+            "hf_tensorcomp supports decoder-only transformers models such as Llama, Qwen3 and Gemma3"
+        )
+    return best
+
+
+def resolve_layers(layers: list[int] | None, n: int) -> list[int]:
+    if layers is None:
+        return list(range(n))
+    out = []
+    for i in layers:
+        if not -n <= i < n:
+            raise ValueError(f"TensorCompressionConfig.layers: got {i}; allowed: ints in [{-n}, {n - 1}] (the model has {n} decoder layers)")
+        j = i % n
+        if j not in out:
+            out.append(j)
+    return sorted(out)
+
+
+def plan(model: nn.Module, config: TensorCompressionConfig) -> list[tuple[int, int, list[str]]]:
+    """Validate every entry against the (possibly meta) model and list the work.
+
+    Returns ``[(entry index, layer index, [module names relative to the layer]), ...]``. Raises
+    ValueError, naming the field, before any weight is touched.
+    """
+    prefix, layer_list = find_decoder_layers(model)
+    claimed: dict[str, int] = {}
+    work = []
+    for k, entry in enumerate(config.entries):
+        method = get_method(entry.method)
+        matched_any = {t: False for t in entry.targets}
+        for li in resolve_layers(entry.layers, len(layer_list)):
+            names = []
+            for name, mod in layer_list[li].named_modules():
+                if not name:
+                    continue
+                hits = [t for t in entry.targets if fnmatch.fnmatchcase(name, t)]
+                if not hits or not isinstance(mod, method.target_types):
+                    continue
+                for t in hits:
+                    matched_any[t] = True
+                full = f"{prefix}.{li}.{name}"
+                if full in claimed:
+                    raise ValueError(
+                        f"TensorCompressionConfig.entries: entries {claimed[full]} and {k} both target {full}; "
+                        "allowed: each module in at most one entry"
+                    )
+                claimed[full] = k
+                method.check_target(full, mod, entry)
+                names.append(name)
+            if names:
+                work.append((k, li, names))
+        missing = [t for t, hit in matched_any.items() if not hit]
+        if missing:
+            sample = sorted({n for n, m in layer_list[0].named_modules() if n and isinstance(m, method.target_types)})
+            raise ValueError(
+                f"TensorCompressionConfig.targets: pattern(s) {missing} match no {'/'.join(t.__name__ for t in method.target_types)} "
+                f"module in the chosen layers; allowed: fnmatch patterns over names such as {sample}"
+            )
+    return work
+
+
+def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None) -> dict:
+    """Compress in place, one decoder layer at a time (peak memory: the model plus one layer's factors).
+
+    Fills ``config.compressed_modules`` (factored modules) and ``config.stats``.
+    """
+    work = plan(model, config) if work is None else work
+    prefix, layer_list = find_decoder_layers(model)
+    params_before = sum(p.numel() for p in model.parameters())
+    t0 = time.perf_counter()
+    module_stats = {}
+    for k, li, names in tqdm(work, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="layer"):
+        entry = config.entries[k]
+        layer = layer_list[li]
+        mods = {n: layer.get_submodule(n) for n in names}
+        for name, (new, st) in get_method(entry.method).compress_layer(mods, entry).items():
+            if entry.mode == "dense":
+                new = new.to_dense()
+            _set_module(layer, name, new)
+            module_stats[f"{prefix}.{li}.{name}"] = {"method": entry.method, **st}
+    config.compressed_modules = factored_specs(model)
+    params_after = sum(p.numel() for p in model.parameters())
+    config.stats = {
+        "params_before": params_before,
+        "params_after": params_after,
+        "compress_seconds": round(time.perf_counter() - t0, 3),
+        "modules": module_stats,
+    }
+    return config.stats
+
+
+def factored_specs(model: nn.Module) -> dict[str, dict]:
+    return {name: m.spec() for name, m in model.named_modules() if isinstance(m, FactorizedModule)}
+
+
+def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: torch.dtype | None = None) -> None:
+    """Replace modules by empty factored ones (on the meta device) as recorded in the saved config."""
+    for name, spec in config.compressed_modules.items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(
+                f"compressed_modules: the checkpoint names module {name!r}, which this model does not have; "
+                "the config.json and the model architecture do not match"
+            ) from None
+        for dim in ("in_features", "out_features"):
+            if dim in spec and hasattr(old, dim) and getattr(old, dim) != spec[dim]:
+                raise ValueError(
+                    f"compressed_modules[{name!r}].{dim}: checkpoint says {spec[dim]}, model has {getattr(old, dim)}; "
+                    "the config.json and the model architecture do not match"
+                )
+        old_w = getattr(old, "weight", None)
+        with torch.device("meta"):
+            new = build_from_spec(spec, dtype=dtype or (old_w.dtype if old_w is not None else None))
+        _set_module(model, name, new)
