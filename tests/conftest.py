@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny dense checkpoints of three architectures, token ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tensorcomp  # noqa: F401  (registers the quantizer)
+from tiny import ARCHS, VOCAB, _tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """One saved dense checkpoint per architecture: {arch: path}."""
+    torch.manual_seed(0)
+    out = {}
+    for arch in ARCHS:
+        d = tmp_path_factory.mktemp(f"dense-{arch}")
+        _tiny(arch).save_pretrained(d)
+        out[arch] = d
+    return out
+
+
+@pytest.fixture
+def ids():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (2, 11), generator=g)

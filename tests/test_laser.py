@@ -1,0 +1,124 @@
+"""LASER through the quantizer: exactness, modes, dtypes, selection, closed-form error, bad input."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_tensorcomp
+from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
+from hf_tensorcomp.decompositions import truncated_svd
+
+from tiny import ARCHS, rel_err
+
+
+def load(path, **cfg):
+    cfg.setdefault("progress", False)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=TensorCompressionConfig(**cfg))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_rank_is_exact(arch, tiny_dirs, ids):
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch])
+    comp = load(tiny_dirs[arch], method="laser", rank=1.0)
+    n_factored = sum(isinstance(m, LowRankLinear) for m in comp.modules())
+    assert n_factored == 3 * 7  # q,k,v,o,gate,up,down in every layer
+    assert rel_err(comp(ids).logits, dense(ids).logits) <= 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_factorized_and_dense_modes_agree(arch, tiny_dirs, ids):
+    fac = load(tiny_dirs[arch], method="laser", rank=5)
+    den = load(tiny_dirs[arch], method="laser", rank=5, mode="dense")
+    assert not any(isinstance(m, LowRankLinear) for m in den.modules())
+    w = den.model.layers[0].mlp.down_proj.weight
+    assert torch.linalg.matrix_rank(w).item() == 5
+    assert rel_err(fac(ids).logits, den(ids).logits) <= 1e-5
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch])
+    assert rel_err(fac(ids).logits, dense(ids).logits) > 1e-3  # rank 5 really changed something
+
+
+def test_truncated_svd_matches_eckart_young():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 30, generator=g)
+    s = torch.linalg.svdvals(w)
+    errs = []
+    for r in (1, 5, 10, 20, 30):
+        u, v = truncated_svd(w, r)
+        err = torch.linalg.matrix_norm(w - u @ v).item()
+        assert err == pytest.approx(s[r:].pow(2).sum().sqrt().item(), rel=1e-4, abs=1e-4)
+        errs.append(err)
+    assert errs == sorted(errs, reverse=True) and errs[-1] < 1e-4
+
+
+def test_error_decreases_with_rank_and_stats_recorded(tiny_dirs, ids):
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    ref = dense(ids).logits.detach()
+    errs = []
+    for r in (2, 8, 24):
+        m = load(tiny_dirs["llama"], method="laser", rank=r, targets=["mlp.*"])
+        st = m.config.quantization_config.stats
+        assert st["params_after"] < st["params_before"] or r == 24
+        mod = st["modules"]["model.layers.0.mlp.up_proj"]
+        assert mod["rank"] == r
+        errs.append(rel_err(m(ids).logits.detach(), ref))
+    assert errs[0] > errs[1] > errs[2]
+
+
+def test_layers_and_targets_select_modules(tiny_dirs):
+    m = load(tiny_dirs["llama"], method="laser", rank=0.5, targets=["mlp.down_proj", "self_attn.q_proj"], layers=[-1])
+    factored = sorted(n for n, mod in m.named_modules() if isinstance(mod, LowRankLinear))
+    assert factored == ["model.layers.2.mlp.down_proj", "model.layers.2.self_attn.q_proj"]
+    # fraction of full rank, per matrix: down_proj is 48x96 (full 48), q_proj 48x48 (full 48)
+    assert m.model.layers[2].mlp.down_proj.rank == 24
+    assert isinstance(m.model.layers[1].mlp.down_proj, torch.nn.Linear)
+
+
+def test_several_entries_in_one_config(tiny_dirs):
+    cfg = TensorCompressionConfig(progress=False, entries=[
+        {"method": "laser", "rank": 4, "targets": ["self_attn.*"], "layers": [0]},
+        {"method": "laser", "rank": 0.5, "targets": ["mlp.*"], "layers": [0], "mode": "dense"},
+    ])
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
+    assert m.model.layers[0].self_attn.k_proj.rank == 4
+    assert type(m.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    assert torch.linalg.matrix_rank(m.model.layers[0].mlp.up_proj.weight.detach()).item() == 24
+
+
+@pytest.mark.parametrize(
+    "cfg, field",
+    [
+        ({"layers": [3]}, "layers"),
+        ({"layers": [-4]}, "layers"),
+        ({"targets": ["mlp.nonexistent"]}, "targets"),
+        ({"rank": 49, "targets": ["self_attn.q_proj"]}, "rank"),
+        ({"entries": [{"method": "laser", "targets": ["mlp.*"]}, {"method": "laser", "targets": ["mlp.up_proj"]}]}, "entries"),
+    ],
+)
+def test_bad_plan_fails_before_weights_load(cfg, field, tiny_dirs):
+    with pytest.raises(ValueError) as e:
+        load(tiny_dirs["llama"], **cfg)
+    assert field in str(e.value) and "allowed" in str(e.value)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_decomposed_in_fp32(dtype, tiny_dirs, ids):
+    m16 = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=dtype,
+                                               quantization_config=TensorCompressionConfig(rank=6, progress=False))
+    m32 = load(tiny_dirs["llama"], rank=6)
+    lr = m16.model.layers[0].mlp.up_proj
+    assert lr.weight.dtype == dtype
+    ref = m32.model.layers[0].mlp.up_proj.weight
+    assert torch.allclose(lr.weight.float(), ref, atol=2e-2, rtol=2e-2)
+    assert rel_err(m16(ids).logits, m32(ids).logits) < 5e-2
+
+
+def test_compression_config_spelling(tiny_dirs, ids):
+    cfg = TensorCompressionConfig(rank=3, progress=False)
+    a = hf_tensorcomp.AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], compression_config=cfg)
+    b = load(tiny_dirs["qwen3"], rank=3)
+    assert torch.equal(a(ids).logits, b(ids).logits)
+    with pytest.raises(ValueError, match="not both"):
+        hf_tensorcomp.AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], compression_config=cfg, quantization_config=cfg)

@@ -1,0 +1,28 @@
+"""Tiny random models for shape and exactness tests (quality is measured on real models elsewhere)."""
+
+from __future__ import annotations
+
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+VOCAB = 101
+
+
+def _tiny(arch: str):
+    common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
+    if arch == "llama":  # grouped-query attention, tied embeddings (like SmolLM2)
+        return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    if arch == "qwen3":  # q/k norms, explicit head_dim
+        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=False))
+    if arch == "gemma3":  # sliding + global layers, 4/1-style GQA, head dim larger than hidden/heads
+        return Gemma3ForCausalLM(Gemma3TextConfig(**{**common, "num_attention_heads": 4, "num_key_value_heads": 1},
+                                                  head_dim=32, sliding_window=8,
+                                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"]))
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "qwen3", "gemma3"]
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
