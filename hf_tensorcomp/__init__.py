@@ -7,8 +7,10 @@
 
 from .config import TensorCompressionConfig
 from .integration import AutoModelForCausalLM, TensorCompQuantizer
+from .integration.hub import model_card, push_to_hub, write_model_card
 from .layers import LowRankLinear
 
 __version__ = "0.1.0"
 
-__all__ = ["TensorCompressionConfig", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "__version__"]
+__all__ = ["TensorCompressionConfig", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "model_card",
+           "push_to_hub", "write_model_card", "__version__"]

@@ -55,6 +55,7 @@ class TensorCompQuantizer(HfQuantizer):
             if _is_offloaded(getattr(model, "hf_device_map", None)):
                 self.validate_environment(device_map=model.hf_device_map)
             surgery.compress_model(model, self.quantization_config, getattr(self, "_work", None))
+            model.add_model_tags(["hf_tensorcomp"] + [f"tensorcomp-{e.method}" for e in self.quantization_config.entries])
             self.pre_quantized = True  # the model now holds factors: save as such
         return model
 

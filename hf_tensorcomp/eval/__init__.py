@@ -1,0 +1,5 @@
+"""Evaluation helpers."""
+
+from .perplexity import perplexity
+
+__all__ = ["perplexity"]

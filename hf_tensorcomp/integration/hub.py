@@ -1,0 +1,85 @@
+"""Model cards and Hub pushes for compressed models.
+
+``model.push_to_hub(repo)`` alone works (factors + config.json; the card gets the ``hf_tensorcomp``
+tags set at compression). `push_to_hub` here also writes a card saying how the model was compressed:
+transformers keeps a card already on the repo, so the card is uploaded first.
+"""
+
+from __future__ import annotations
+
+import os
+
+from huggingface_hub import HfApi
+
+from ..config import TensorCompressionConfig
+
+INSTALL_NOTE = (
+    "This checkpoint stores compressed factors, not dense weights. Loading it needs the `hf_tensorcomp` "
+    "package installed **and imported** before `from_pretrained`; without it transformers stops with a "
+    "size-mismatch error."
+)
+DENSE_NOTE = (
+    "The approximation was written back into ordinary dense weights (`mode=\"dense\"`), so plain transformers "
+    "loads it; with `hf_tensorcomp` installed and imported the compression record below is kept on reload."
+)
+
+
+def compression_config(model) -> TensorCompressionConfig:
+    cfg = getattr(model.config, "quantization_config", None)
+    if not isinstance(cfg, TensorCompressionConfig):
+        raise ValueError("model: not compressed by hf_tensorcomp (model.config.quantization_config is not a TensorCompressionConfig)")
+    return cfg
+
+
+def model_card(model, results: dict | None = None, base_model: str | None = None) -> str:
+    """Markdown model card (with YAML metadata) describing the compression and how to load it."""
+    cfg = compression_config(model)
+    st = cfg.stats
+    lines = ["---", "library_name: transformers", "tags:", "- hf_tensorcomp"]
+    lines += [f"- tensorcomp-{e.method}" for e in cfg.entries]
+    if base_model:
+        lines += [f"base_model: {base_model}"]
+    lines += ["---", "", f"# {type(model).__name__} compressed with hf_tensorcomp", "",
+              INSTALL_NOTE if cfg.compressed_modules else DENSE_NOTE, "",
+              "```python", "import hf_tensorcomp  # registers the `tensorcomp` quantizer",
+              "from transformers import AutoModelForCausalLM",
+              'model = AutoModelForCausalLM.from_pretrained("<this repo>")', "```", "", "## Compression", "",
+              "| entry | method | rank | targets | layers | mode | options |", "|---|---|---|---|---|---|---|"]
+    for i, e in enumerate(cfg.entries):
+        lines.append(f"| {i} | {e.method} | {e.rank} | {', '.join(e.targets)} | {'all' if e.layers is None else e.layers} "
+                     f"| {e.mode} | {e.options or ''} |")
+    if st:
+        before, after = st.get("params_before"), st.get("params_after")
+        lines += ["", f"- parameters: {before:,} → {after:,} ({after / before:.3f} of the original)",
+                  f"- compressed modules: {len(st.get('modules', {}))}",
+                  f"- compression time: {st.get('compress_seconds')} s"]
+        errs = [m["rel_error"] for m in st.get("modules", {}).values() if "rel_error" in m]
+        if errs:
+            lines.append(f"- relative reconstruction error per matrix: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")
+    if results:
+        lines += ["", "## Evaluation", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in results.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_model_card(model, directory, results: dict | None = None, base_model: str | None = None) -> str:
+    path = os.path.join(directory, "README.md")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(model_card(model, results, base_model))
+    os.replace(tmp, path)
+    return path
+
+
+def push_to_hub(model, repo_id: str, tokenizer=None, results: dict | None = None, base_model: str | None = None,
+                token=None, private: bool | None = None, commit_message: str | None = None) -> str:
+    """Push a compressed model (and tokenizer) with a model card saying how it was compressed."""
+    card = model_card(model, results, base_model)  # fails before anything is created if not compressed
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    api.upload_file(path_or_fileobj=card.encode(), path_in_repo="README.md", repo_id=repo_id,
+                    commit_message="hf_tensorcomp model card")
+    url = model.push_to_hub(repo_id, token=token, commit_message=commit_message)
+    if tokenizer is not None:
+        tokenizer.push_to_hub(repo_id, token=token)
+    return url
