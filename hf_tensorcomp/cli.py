@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--layers", nargs="+", type=int, default=None, help="layer indices, negatives from the end")
     c.add_argument("--mode", default="factorized", choices=["factorized", "dense"])
     c.add_argument("--option", type=_option, action="append", help="method option KEY=VALUE (repeatable)")
+    c.add_argument("--recipe", default=None, help="JSON file of compress options (see recipes/)")
     c.add_argument("--out", required=True, help="output folder (written atomically)")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--push-to-hub", metavar="REPO", default=None)
@@ -178,8 +179,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _apply_recipe(parser: argparse.ArgumentParser, argv) -> None:
+    """``compress --recipe FILE``: a JSON object of compress options (flag names with '_') used as defaults."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--recipe")
+    known, _ = pre.parse_known_args(argv)
+    if not known.recipe:
+        return
+    recipe = json.loads(Path(known.recipe).read_text())
+    compress = parser._subparsers._group_actions[0].choices["compress"]
+    allowed = {a.dest for a in compress._actions} - {"help", "recipe"}
+    unknown = sorted(set(recipe) - allowed - {"description"})
+    if unknown:
+        raise SystemExit(f"hf-tensorcomp: error: --recipe {known.recipe}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    recipe.pop("description", None)
+    if "option" in recipe:
+        recipe["option"] = list(recipe["option"].items())
+    compress.set_defaults(**recipe)
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    _apply_recipe(parser, argv)
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ValueError as err:  # configuration errors: one clear line, nothing written

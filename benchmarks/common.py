@@ -1,0 +1,70 @@
+"""Shared measurement helpers for the benchmark scripts (not tests): size, perplexity, decode speed."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hf_tensorcomp.assets import load_text
+from hf_tensorcomp.eval import perplexity
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def disk_bytes(model) -> int:
+    """Bytes of the safetensors files save_pretrained writes for this model."""
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        return sum(p.stat().st_size for p in Path(d).glob("*.safetensors"))
+
+
+def torch_save_bytes(model) -> int:
+    """Serialized size of a model that save_pretrained cannot write (the int8 peer)."""
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    return buf.getbuffer().nbytes
+
+
+def ppl(model, tok, max_tokens: int, context_length: int = 512) -> float:
+    return perplexity(model, tok, load_text("wikipedia", "eval"), context_length=context_length,
+                      stride=context_length, max_tokens=max_tokens, progress=False)["ppl"]
+
+
+@torch.inference_mode()
+def decode_tokens_per_s(model, tok, new_tokens: int = 48, repeats: int = 3) -> float:
+    """Greedy decode speed, batch 1, 32-token prompt; median of `repeats` after one warm-up."""
+    prompt = " ".join(load_text("wikipedia", "eval")[0].split()[:24])
+    ids = tok(prompt, return_tensors="pt").input_ids[:, :32]
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=kw["pad_token_id"])
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        times.append(time.perf_counter() - t0)
+    return new_tokens / statistics.median(times)
+
+
+def write_json(name: str, rows) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def markdown_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    """cols: (key, header, format)."""
+    out = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(("-" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in cols) + " |")
+    return "\n".join(out)

@@ -1,0 +1,134 @@
+"""LASER on SmolLM2-135M and Gemma-3-270M: quality, size and speed against the dense model and int8.
+
+For each model: LASER at several rank fractions on all layers' attention (q,k,v,o), on all layers'
+FFN (gate,up,down), and on the FFN of the last quarter of the layers. Each row: parameters, bytes
+on disk, held-out perplexity (Wikipedia eval split), compression time, greedy decode tokens/s in
+factorized and in dense mode — all as ratios to the dense model measured in the same run. The peer a
+CPU user would otherwise reach for, PyTorch dynamic int8 quantization of every nn.Linear, is measured
+alongside.
+
+    python benchmarks/laser.py [--models smollm2 gemma3] [--max-tokens 4096]
+
+Writes benchmarks/results/laser.json, laser.md and laser.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, decode_tokens_per_s, disk_bytes, markdown_table, ppl, torch_save_bytes, write_json  # noqa: E402
+
+from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
+from hf_tensorcomp.assets import model_path  # noqa: E402
+
+RANKS = (0.4, 0.2, 0.1)
+
+
+def groups(n_layers: int):
+    q = max(1, n_layers // 4)
+    return [("attn, all layers", ["self_attn.*_proj"], None),
+            ("ffn, all layers", ["mlp.*_proj"], None),
+            (f"ffn, last {q} layers", ["mlp.*_proj"], list(range(-q, 0)))]
+
+
+def run_model(name: str, max_tokens: int) -> list[dict]:
+    torch.manual_seed(0)
+    path = model_path(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    base = {"model": name, "variant": "dense", "params": dense.num_parameters(), "bytes": disk_bytes(dense),
+            "ppl": ppl(dense, tok, max_tokens), "tok_s": decode_tokens_per_s(dense, tok)}
+    print(base, flush=True)
+    rows = [base]
+    int8 = torch.ao.quantization.quantize_dynamic(dense, {torch.nn.Linear}, dtype=torch.qint8)
+    rows.append({"model": name, "variant": "int8 dynamic (torch), all Linear", "params": base["params"],
+                 "bytes": torch_save_bytes(int8), "ppl": ppl(int8, tok, max_tokens), "tok_s": decode_tokens_per_s(int8, tok)})
+    print(rows[-1], flush=True)
+    del int8, dense
+    n_layers = AutoModelForCausalLM.from_pretrained(path).config.num_hidden_layers
+    for label, targets, layers in groups(n_layers):
+        for r in RANKS:
+            cfg = dict(method="laser", rank=r, targets=targets, layers=layers, progress=False)
+            t0 = time.perf_counter()
+            fac = AutoModelForCausalLM.from_pretrained(path, quantization_config=TensorCompressionConfig(**cfg)).eval()
+            load_s = time.perf_counter() - t0
+            st = fac.config.quantization_config.stats
+            row = {"model": name, "variant": f"laser r={r} {label}", "params": fac.num_parameters(),
+                   "bytes": disk_bytes(fac), "ppl": ppl(fac, tok, max_tokens), "tok_s": decode_tokens_per_s(fac, tok),
+                   "compress_s": st["compress_seconds"], "load_compress_s": round(load_s, 2)}
+            del fac
+            den = AutoModelForCausalLM.from_pretrained(path, quantization_config=TensorCompressionConfig(**cfg, mode="dense")).eval()
+            row["tok_s_dense_mode"] = decode_tokens_per_s(den, tok)
+            del den
+            rows.append(row)
+            print(row, flush=True)
+    for r in rows:
+        r["params_ratio"] = r["params"] / base["params"]
+        r["bytes_ratio"] = r["bytes"] / base["bytes"]
+        r["ppl_ratio"] = r["ppl"] / base["ppl"]
+        r["speed_ratio"] = r["tok_s"] / base["tok_s"]
+        if "tok_s_dense_mode" in r:
+            r["speed_ratio_dense_mode"] = r["tok_s_dense_mode"] / base["tok_s"]
+    return rows
+
+
+COLS = [("model", "model", "{}"), ("variant", "variant", "{}"), ("params_ratio", "params ×", "{:.3f}"),
+        ("bytes_ratio", "disk ×", "{:.3f}"), ("ppl", "ppl", "{:.2f}"), ("ppl_ratio", "ppl ×", "{:.2f}"),
+        ("compress_s", "compress s", "{:.1f}"), ("speed_ratio", "decode × (factorized)", "{:.2f}"),
+        ("speed_ratio_dense_mode", "decode × (dense mode)", "{:.2f}")]
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        rs = [r for r in rows if r["model"] == m]
+        for r in rs:
+            if r["variant"] == "dense" or r["variant"].startswith("int8"):
+                ax.scatter(r["params_ratio"] if r["variant"] == "dense" else r["bytes_ratio"], r["ppl"],
+                           marker="*" if r["variant"] == "dense" else "s", s=120, label=r["variant"] + (" (x: bytes)" if r["variant"].startswith("int8") else ""))
+        for label in dict.fromkeys(r["variant"].split(" ", 2)[2] for r in rs if r["variant"].startswith("laser")):
+            pts = sorted((r["params_ratio"], r["ppl"]) for r in rs if r["variant"].endswith(label) and r["variant"].startswith("laser"))
+            ax.plot(*zip(*pts), marker="o", label=f"LASER {label}")
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters (fraction of dense)")
+        ax.set_ylabel("perplexity (Wikipedia eval split, ctx 512)")
+        ax.set_title(m)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = []
+    for m in args.models:
+        rows += run_model(m, args.max_tokens)
+        write_json("laser.json", rows)
+    table = markdown_table(rows, COLS)
+    (RESULTS / "laser.md").write_text(
+        f"LASER benchmark ({args.max_tokens} Wikipedia eval tokens, ctx 512; decode: greedy, batch 1, 48 new tokens, "
+        f"CPU, {torch.get_num_threads()} threads; ratios against the dense fp32 model of the same run)\n\n{table}\n")
+    plot(rows, RESULTS / "laser.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The hf-tensorcomp CLI: report, atomic output, clear errors that leave nothing behind."""
+
+import json
+
+import pytest
+
+from hf_tensorcomp.cli import main
+
+
+def test_bad_config_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["compress", str(tmp_path), "--rank", "0", "--out", str(out)]) == 2
+    assert "rank" in capsys.readouterr().err and not out.exists()
+
+
+def test_refuses_non_empty_out(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("precious")
+    assert main(["compress", "smollm2", "--out", str(tmp_path), "--no-eval"]) == 2
+    assert "--out" in capsys.readouterr().err and (tmp_path / "keep.txt").read_text() == "precious"
+
+
+@pytest.mark.slow
+def test_compress_recipe_on_bundled_model(tmp_path, capsys):
+    out = tmp_path / "smol"
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"method": "laser", "rank": 16, "targets": ["mlp.down_proj"], "layers": [-1]}))
+    assert main(["compress", "--recipe", str(recipe), "--out", str(out), "--max-eval-tokens", "512", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "parameters" in text and "perplexity" in text and "size on disk" in text
+    report = json.loads((out / "compression_report.json").read_text())
+    assert report["params_before"] - report["params_after"] == 1536 * 576 - 16 * (1536 + 576)
+    assert report["bytes"] < report["dense_bytes"]
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".smol")]  # no temp folder left
