@@ -5,6 +5,7 @@
     model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)
 """
 
+from . import assets
 from .config import TensorCompressionConfig
 from .integration import AutoModelForCausalLM, TensorCompQuantizer
 from .integration.hub import model_card, push_to_hub, write_model_card

@@ -86,7 +86,7 @@ def cmd_compress(args) -> int:
     results = {}
     if not args.no_eval:
         report["ppl"] = _ppl(model, tok, args)
-        results = {f"perplexity ({args.text} eval split, ctx {args.context_length}, stride {args.stride}, "
+        results = {f"perplexity ({args.text} eval split, ctx {args.context_length}, stride {min(args.stride, args.context_length)}, "
                    f"{args.max_eval_tokens} tokens)": round(report["ppl"], 3),
                    "dense perplexity, same setting": round(report["dense_ppl"], 3)}
     # write atomically: a temp folder beside the target, renamed into place when complete

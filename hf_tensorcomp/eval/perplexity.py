@@ -63,9 +63,10 @@ def perplexity(
         tokenizer: the model's tokenizer.
         texts: a string or a list of strings (e.g. ``hf_tensorcomp.assets.load_text()``).
         context_length: tokens of text per window (default 512).
-        stride: step between window starts, ``1 <= stride <= context_length`` (default 512,
-            i.e. disjoint windows; smaller strides give more context per scored token and
-            cost ``context_length / stride`` times more compute).
+        stride: step between window starts (default 512, i.e. disjoint windows at the
+            default context; values above ``context_length`` are clamped to it). Smaller
+            strides give more context per scored token and cost ``context_length / stride``
+            times more compute.
         max_tokens: use only the first ``max_tokens`` tokens of the joined text (default
             None = all); keeps it quick on CPU (e.g. 16384 tokens ~ 32 windows of 512).
         batch_size: windows of equal shape per forward pass (default 1). Results agree
@@ -87,8 +88,9 @@ def perplexity(
         texts = [texts]
     if not isinstance(context_length, int) or context_length < 1:
         raise ValueError(f"context_length must be a positive int, got {context_length!r}")
-    if not isinstance(stride, int) or not 1 <= stride <= context_length:
-        raise ValueError(f"stride must be an int in [1, context_length={context_length}], got {stride!r}")
+    if not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"stride must be a positive int, got {stride!r}")
+    stride = min(stride, context_length)  # a larger stride would skip text
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 2):
         raise ValueError(f"max_tokens must be None or an int >= 2, got {max_tokens!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
