@@ -66,8 +66,9 @@ class Entry:
         self.mode = mode
         if mode not in MODES:
             _fail("mode", mode, " | ".join(repr(x) for x in MODES))
+        options = m.validate_options(options)
         if targets is None:
-            targets = list(m.default_targets)
+            targets = list(m.targets_for(options))
         if isinstance(targets, str):
             targets = [targets]
         if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
@@ -84,8 +85,8 @@ class Entry:
                 _fail("layers", layers, "None (all layers) or a non-empty list of ints (negatives count from the end)")
             layers = list(layers)
         self.layers = layers
-        self.rank = validate_rank(m.default_rank if rank is None else rank) if m.uses_rank else rank
-        self.options = m.validate_options(options)
+        self.rank = m.validate_rank(m.default_rank if rank is None else rank, options) if m.uses_rank else rank
+        self.options = options
 
     def to_dict(self) -> dict:
         d = {"method": self.method, "rank": self.rank, "targets": self.targets, "layers": self.layers, "mode": self.mode}

@@ -14,8 +14,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .config import TensorCompressionConfig
-from .layers import FactorizedModule, build_from_spec
+from .layers import FactorizedModule, build_from_spec, layer_build_order
 from .methods import get_method
+from .methods.base import Context
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -45,24 +46,29 @@ def resolve_layers(layers: list[int] | None, n: int) -> list[int]:
     return sorted(out)
 
 
-def plan(model: nn.Module, config: TensorCompressionConfig) -> list[tuple[int, int, list[str]]]:
+def _context(model: nn.Module) -> Context:
+    prefix, layer_list = find_decoder_layers(model)
+    cfg = model.config.get_text_config() if hasattr(model, "config") else None
+    return Context(config=cfg, prefix=prefix, n_layers=len(layer_list))
+
+
+def plan(model: nn.Module, config: TensorCompressionConfig) -> list[tuple[int, list[str]]]:
     """Validate every entry against the (possibly meta) model and list the work.
 
-    Returns ``[(entry index, layer index, [module names relative to the layer]), ...]``. Raises
-    ValueError, naming the field, before any weight is touched.
+    Returns ``[(entry index, [module names relative to the layer list, e.g. "3.mlp.up_proj"]), ...]``,
+    one item per unit of layers. Raises ValueError, naming the field, before any weight is touched.
     """
     prefix, layer_list = find_decoder_layers(model)
+    ctx = _context(model)
     claimed: dict[str, int] = {}
     work = []
     for k, entry in enumerate(config.entries):
         method = get_method(entry.method)
         matched_any = {t: False for t in entry.targets}
+        per_layer: dict[int, list[str]] = {}
         for li in resolve_layers(entry.layers, len(layer_list)):
-            names = []
             for name, mod in layer_list[li].named_modules():
-                if not name:
-                    continue
-                hits = [t for t in entry.targets if fnmatch.fnmatchcase(name, t)]
+                hits = [t for t in entry.targets if name and fnmatch.fnmatchcase(name, t)]
                 if not hits or not isinstance(mod, method.target_types):
                     continue
                 for t in hits:
@@ -74,10 +80,7 @@ def plan(model: nn.Module, config: TensorCompressionConfig) -> list[tuple[int, i
                         "allowed: each module in at most one entry"
                     )
                 claimed[full] = k
-                method.check_target(full, mod, entry)
-                names.append(name)
-            if names:
-                work.append((k, li, names))
+                per_layer.setdefault(li, []).append(f"{li}.{name}")
         missing = [t for t, hit in matched_any.items() if not hit]
         if missing:
             sample = sorted({n for n, m in layer_list[0].named_modules() if n and isinstance(m, method.target_types)})
@@ -85,6 +88,10 @@ def plan(model: nn.Module, config: TensorCompressionConfig) -> list[tuple[int, i
                 f"TensorCompressionConfig.targets: pattern(s) {missing} match no {'/'.join(t.__name__ for t in method.target_types)} "
                 f"module in the chosen layers; allowed: fnmatch patterns over names such as {sample}"
             )
+        for unit in method.units(entry, sorted(per_layer), len(layer_list)):
+            names = [n for li in unit for n in per_layer[li]]
+            method.check_unit({n: layer_list.get_submodule(n) for n in names}, entry, ctx)
+            work.append((k, names))
     return work
 
 
@@ -94,24 +101,26 @@ def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None) -> dict:
-    """Compress in place, one decoder layer at a time (peak memory: the model plus one layer's factors).
+    """Compress in place, one unit of layers at a time (peak memory: the model plus one unit's factors).
 
     Fills ``config.compressed_modules`` (factored modules) and ``config.stats``.
     """
     work = plan(model, config) if work is None else work
     prefix, layer_list = find_decoder_layers(model)
+    ctx = _context(model)
     params_before = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     module_stats = {}
-    for k, li, names in tqdm(work, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="layer"):
+    for k, names in tqdm(work, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="unit"):
         entry = config.entries[k]
-        layer = layer_list[li]
-        mods = {n: layer.get_submodule(n) for n in names}
-        for name, (new, st) in get_method(entry.method).compress_layer(mods, entry).items():
+        mods = {n: layer_list.get_submodule(n) for n in names}
+        for name, (new, st) in get_method(entry.method).compress(mods, entry, ctx).items():
             if entry.mode == "dense":
-                new = new.to_dense()
-            _set_module(layer, name, new)
-            module_stats[f"{prefix}.{li}.{name}"] = {"method": entry.method, **st}
+                new = new.to_dense()  # None for containers of shared factors: nothing to add
+                if new is None:
+                    continue
+            _set_module(layer_list, name, new)
+            module_stats[f"{prefix}.{name}"] = {"method": entry.method, **st}
     config.compressed_modules = factored_specs(model)
     params_after = sum(p.numel() for p in model.parameters())
     config.stats = {
@@ -129,9 +138,10 @@ def factored_specs(model: nn.Module) -> dict[str, dict]:
 
 def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: torch.dtype | None = None) -> None:
     """Replace modules by empty factored ones (on the meta device) as recorded in the saved config."""
-    for name, spec in config.compressed_modules.items():
+    specs = sorted(config.compressed_modules.items(), key=lambda kv: layer_build_order(kv[1]))
+    for name, spec in specs:
         try:
-            old = model.get_submodule(name)
+            old = model.get_submodule(name) if not spec.get("new") else model.get_submodule(name.rpartition(".")[0]) and None
         except AttributeError:
             raise ValueError(
                 f"compressed_modules: the checkpoint names module {name!r}, which this model does not have; "
@@ -144,6 +154,7 @@ def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: tor
                     "the config.json and the model architecture do not match"
                 )
         old_w = getattr(old, "weight", None)
+        dt = dtype or (old_w.dtype if old_w is not None else next(model.parameters()).dtype)
         with torch.device("meta"):
-            new = build_from_spec(spec, dtype=dtype or (old_w.dtype if old_w is not None else None))
+            new = build_from_spec(spec, dtype=dt, root=model)
         _set_module(model, name, new)

@@ -1,4 +1,5 @@
 """The math, free of transformers."""
-from .svd import truncated_svd
+from .cp_tucker import CP, Tucker, cp_als, tucker_hooi
+from .svd import relative_error, truncated_svd
 
-__all__ = ["truncated_svd"]
+__all__ = ["CP", "Tucker", "cp_als", "relative_error", "truncated_svd", "tucker_hooi"]

@@ -21,3 +21,9 @@ def truncated_svd(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
     U, S, Vh = torch.linalg.svd(w.detach().float(), full_matrices=False)
     s = S[:rank].sqrt()
     return U[:, :rank] * s, s[:, None] * Vh[:rank]
+
+
+def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """||reference - approx||_F / ||reference||_F, in float32, rounded to 6 digits."""
+    ref = reference.detach().float()
+    return round((torch.linalg.vector_norm(ref - approx.detach().float()) / torch.linalg.vector_norm(ref)).item(), 6)

@@ -1,5 +1,6 @@
 """Evaluation helpers."""
 
+from .multiple_choice import multiple_choice_accuracy
 from .perplexity import perplexity
 
-__all__ = ["perplexity"]
+__all__ = ["multiple_choice_accuracy", "perplexity"]

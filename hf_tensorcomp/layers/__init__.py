@@ -1,4 +1,5 @@
-from .base import LAYER_TYPES, FactorizedModule, build_from_spec, register_layer
+from .base import LAYER_TYPES, FactorizedModule, build_from_spec, layer_build_order, register_layer
 from .lowrank import LowRankLinear
+from .tensor_slice import SharedFactors, TensorSlice
 
-__all__ = ["LAYER_TYPES", "FactorizedModule", "LowRankLinear", "build_from_spec", "register_layer"]
+__all__ = ["LAYER_TYPES", "FactorizedModule", "LowRankLinear", "SharedFactors", "TensorSlice", "build_from_spec", "layer_build_order", "register_layer"]

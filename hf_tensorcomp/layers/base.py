@@ -25,27 +25,39 @@ def register_layer(cls):
 
 class FactorizedModule(nn.Module):
     layer_type: str = ""
+    #: modules with a lower order are rebuilt first on reload (containers of shared factors: -1)
+    build_order: int = 0
 
     def spec(self) -> dict:
         raise NotImplementedError
 
     @classmethod
-    def from_spec(cls, spec: dict, dtype: torch.dtype | None = None) -> "FactorizedModule":
+    def from_spec(cls, spec: dict, dtype: torch.dtype | None = None, root: nn.Module | None = None) -> "FactorizedModule":
+        """Empty module with the layout of `spec`; `root` (the model) resolves references to shared factors."""
         raise NotImplementedError
 
     def dense_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def to_dense(self) -> nn.Module:
-        """An ordinary module computing the same function (what `mode="dense"` writes)."""
+    def to_dense(self) -> nn.Module | None:
+        """An ordinary module computing the same function (what `mode="dense"` writes); None for a
+        container of shared factors, which dense mode drops."""
         raise NotImplementedError
 
 
-def build_from_spec(spec: dict, dtype: torch.dtype | None = None) -> FactorizedModule:
+def _layer_class(spec: dict) -> type[FactorizedModule]:
     kind = spec.get("layer")
     if kind not in LAYER_TYPES:
         raise ValueError(
             f"compressed_modules: unknown layer type {kind!r}; allowed: {sorted(LAYER_TYPES)} "
             "(was the checkpoint written by a newer hf_tensorcomp?)"
         )
-    return LAYER_TYPES[kind].from_spec(spec, dtype=dtype)
+    return LAYER_TYPES[kind]
+
+
+def layer_build_order(spec: dict) -> int:
+    return _layer_class(spec).build_order
+
+
+def build_from_spec(spec: dict, dtype: torch.dtype | None = None, root: nn.Module | None = None) -> FactorizedModule:
+    return _layer_class(spec).from_spec(spec, dtype=dtype, root=root)

@@ -79,7 +79,7 @@ class LowRankLinear(FactorizedModule):
                 "rank": self.rank, "bias": self.bias is not None}
 
     @classmethod
-    def from_spec(cls, spec: dict, dtype=None) -> "LowRankLinear":
+    def from_spec(cls, spec: dict, dtype=None, root=None) -> "LowRankLinear":
         return cls(spec["in_features"], spec["out_features"], spec["rank"], bias=spec["bias"], dtype=dtype)
 
     def extra_repr(self) -> str:

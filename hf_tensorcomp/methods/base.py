@@ -1,14 +1,22 @@
-"""The shape every method has: find targets in a layer → compress them → replacement modules.
+"""The shape every method has: find targets → compress one unit of layers → replacement modules.
+
+A *unit* is the set of decoder layers decomposed together: one layer for most methods, several for
+TRAWL's segmented / whole-model formulations. Module names passed to and returned by a method are
+relative to the decoder-layer list (``"3.mlp.up_proj"``); a returned name that does not exist yet
+(a container of shared factors) is added to the model.
 
 Reload does not come through here: replaced modules describe themselves (`FactorizedModule.spec`)
-and are rebuilt from the saved config by `hf_tensorcomp.model_surgery.build_skeleton`.
+and are rebuilt from the saved config by `hf_tensorcomp.surgery.build_skeleton`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from ..config import validate_rank
 
 METHODS: dict[str, "Method"] = {}
 
@@ -24,10 +32,19 @@ def get_method(name: Any) -> "Method":
     return METHODS[name]
 
 
+@dataclass
+class Context:
+    """What a method may need to know about the model besides the modules it compresses."""
+
+    config: Any  # the model's (text) config
+    prefix: str  # full name of the decoder-layer list, e.g. "model.layers"
+    n_layers: int
+
+
 class Method:
     name: str = ""
     default_targets: tuple[str, ...] = ()
-    default_rank: int | float | None = None
+    default_rank: Any = None
     uses_rank: bool = True
     #: method-specific options and their defaults; `validate_options` rejects anything else
     option_defaults: dict[str, Any] = {}
@@ -43,13 +60,19 @@ class Method:
         out.update(options)
         return out
 
-    def check_target(self, name: str, module: nn.Module, entry) -> None:
-        """Raise ValueError if `entry` cannot be applied to `module` (called on the meta model, before loading)."""
+    def validate_rank(self, rank, options: dict):
+        return validate_rank(rank)
 
-    def compress_layer(self, modules: dict[str, nn.Module], entry) -> dict[str, tuple[nn.Module, dict]]:
-        """Compress the targeted modules of one decoder layer.
+    def targets_for(self, options: dict) -> tuple[str, ...]:
+        return self.default_targets
 
-        `modules` maps names relative to the layer to modules with loaded weights. Returns, per name,
-        the replacement module (factored) and a stats dict (at least ``rel_error``).
-        """
+    def units(self, entry, layers: list[int], n_layers: int) -> list[list[int]]:
+        """Group the chosen layers into units decomposed together (default: one layer each)."""
+        return [[i] for i in layers]
+
+    def check_unit(self, modules: dict[str, nn.Module], entry, ctx: Context) -> None:
+        """Raise ValueError if `entry` cannot be applied (called on the meta model, before any weight loads)."""
+
+    def compress(self, modules: dict[str, nn.Module], entry, ctx: Context) -> dict[str, tuple[nn.Module, dict]]:
+        """Compress one unit. Returns, per name, the new module and a stats dict (at least ``rel_error``)."""
         raise NotImplementedError

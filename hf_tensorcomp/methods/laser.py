@@ -7,10 +7,8 @@ U_r S_r V_r^T; ``rank`` is an int, or a float fraction of min(out, in) resolved 
 
 from __future__ import annotations
 
-import torch
-
 from ..config import resolve_rank
-from ..decompositions import truncated_svd
+from ..decompositions import relative_error, truncated_svd
 from ..layers import LowRankLinear
 from .base import Method, register_method
 
@@ -21,22 +19,21 @@ class Laser(Method):
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 0.5
 
-    def check_target(self, name, module, entry):
-        full = min(module.in_features, module.out_features)
-        if isinstance(entry.rank, int) and entry.rank > full:
-            raise ValueError(
-                f"TensorCompressionConfig.rank: got {entry.rank} but {name} ({module.out_features}x{module.in_features}) "
-                f"has full rank {full}; allowed: an int in [1, {full}] or a float in (0, 1]"
-            )
+    def check_unit(self, modules, entry, ctx):
+        for name, module in modules.items():
+            full = min(module.in_features, module.out_features)
+            if isinstance(entry.rank, int) and entry.rank > full:
+                raise ValueError(
+                    f"TensorCompressionConfig.rank: got {entry.rank} but {ctx.prefix}.{name} ({module.out_features}x"
+                    f"{module.in_features}) has full rank {full}; allowed: an int in [1, {full}] or a float in (0, 1]"
+                )
 
-    def compress_layer(self, modules, entry):
+    def compress(self, modules, entry, ctx):
         out = {}
         for name, lin in modules.items():
             w = lin.weight
             r = resolve_rank(entry.rank, min(w.shape))
             u, v = truncated_svd(w, r)
-            new = LowRankLinear.from_factors(u, v, lin.bias, dtype=w.dtype)
-            with torch.no_grad():
-                err = (torch.linalg.matrix_norm(w.float() - u @ v) / torch.linalg.matrix_norm(w.float())).item()
-            out[name] = (new, {"rank": r, "rel_error": round(err, 6)})
+            out[name] = (LowRankLinear.from_factors(u, v, lin.bias, dtype=w.dtype),
+                         {"rank": r, "rel_error": relative_error(w, u @ v)})
         return out
