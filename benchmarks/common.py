@@ -38,7 +38,7 @@ def ppl(model, tok, max_tokens: int, context_length: int = 512) -> float:
 
 
 @torch.inference_mode()
-def decode_tokens_per_s(model, tok, new_tokens: int = 48, repeats: int = 3) -> float:
+def decode_tokens_per_s(model, tok, new_tokens: int = 32, repeats: int = 3) -> float:
     """Greedy decode speed, batch 1, 32-token prompt; median of `repeats` after one warm-up."""
     prompt = " ".join(load_text("wikipedia", "eval")[0].split()[:24])
     ids = tok(prompt, return_tensors="pt").input_ids[:, :32]

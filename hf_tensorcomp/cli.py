@@ -145,6 +145,41 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    import torch
+    import transformers
+
+    from .assets import load_bigbench_task, load_text
+    from .eval import multiple_choice_accuracy, perplexity
+    from .sweep import layer_sweep
+
+    options = dict(args.option or [])
+    sets = [{**options, "group": g} for g in args.groups] if args.groups else [options]
+    src = _resolve(args.model)
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)).eval()
+    texts = load_text(args.text, "eval")
+    mc = load_bigbench_task(args.mc_task)[: args.mc_examples] if args.mc_examples else None
+
+    def evaluate(m):
+        out = {"ppl": perplexity(m, tok, texts, context_length=args.context_length, stride=args.stride,
+                                 max_tokens=args.max_eval_tokens, progress=False)["ppl"]}
+        if mc:
+            out["mc_accuracy"] = multiple_choice_accuracy(m, tok, mc, progress=False)["accuracy"]
+        return out
+
+    rows = layer_sweep(model, args.method, args.layers, args.ranks, evaluate, option_sets=sets,
+                       targets=args.targets, progress=not args.quiet)
+    for r in rows:
+        print(json.dumps(r))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps({"model": args.model, "method": args.method, "options": sets, "rows": rows}, indent=1) + "\n")
+    os.replace(tmp, out)
+    return 0
+
+
 def _eval_args(p) -> None:
     p.add_argument("--text", default="wikipedia", choices=["wikipedia", "owt"], help="evaluation text (held-out split)")
     p.add_argument("--context-length", type=int, default=512)
@@ -172,6 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-eval", action="store_true", help="skip perplexity before/after")
     _eval_args(c)
     c.set_defaults(func=cmd_compress)
+    w = sub.add_parser("sweep", help="one layer at a time: decompose, evaluate, revert; writes a JSON table")
+    w.add_argument("model", nargs="?", default="smollm2")
+    w.add_argument("--method", default="trawl")
+    w.add_argument("--layers", nargs="+", type=int, required=True)
+    w.add_argument("--ranks", nargs="+", type=_rank, required=True)
+    w.add_argument("--groups", nargs="+", default=None, help="TRAWL groups to sweep, e.g. fc qkvo")
+    w.add_argument("--targets", nargs="+", default=None)
+    w.add_argument("--option", type=_option, action="append", help="method option KEY=VALUE (repeatable)")
+    w.add_argument("--mc-task", default="goal_step_wikihow", help="BIG-bench multiple-choice task")
+    w.add_argument("--mc-examples", type=int, default=0, help="multiple-choice examples per point (0: none)")
+    w.add_argument("--recipe", default=None, help="JSON file of sweep options (see recipes/)")
+    w.add_argument("--out", required=True, help="JSON file for the table")
+    _eval_args(w)
+    w.set_defaults(func=cmd_sweep)
     e = sub.add_parser("eval", help="held-out perplexity of a model")
     e.add_argument("model", nargs="?", default="smollm2")
     _eval_args(e)
@@ -180,14 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _apply_recipe(parser: argparse.ArgumentParser, argv) -> None:
-    """``compress --recipe FILE``: a JSON object of compress options (flag names with '_') used as defaults."""
+    """``compress|sweep --recipe FILE``: a JSON object of that command's options (flag names with '_') used as defaults."""
     pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("command", nargs="?")
     pre.add_argument("--recipe")
     known, _ = pre.parse_known_args(argv)
     if not known.recipe:
         return
     recipe = json.loads(Path(known.recipe).read_text())
-    compress = parser._subparsers._group_actions[0].choices["compress"]
+    compress = parser._subparsers._group_actions[0].choices[known.command]
     allowed = {a.dest for a in compress._actions} - {"help", "recipe"}
     unknown = sorted(set(recipe) - allowed - {"description"})
     if unknown:

@@ -7,6 +7,7 @@ error. tensorly does the decomposition; nothing here re-implements it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import tensorly as tl
@@ -43,7 +44,9 @@ def cp_als(tensor: torch.Tensor, rank: int, n_iter_max: int = 100, tol: float = 
     """CP decomposition by alternating least squares (tensorly.parafac); weights folded into factor 0."""
     state = _seeded(seed)
     try:
-        with tl.backend_context("pytorch"):
+        with tl.backend_context("pytorch"), warnings.catch_warnings():
+            # a CP rank above a mode's size is legitimate; tensorly's SVD init pads that mode and says so
+            warnings.filterwarnings("ignore", message="Trying to compute SVD with n_eigenvecs")
             cp = parafac(tensor.detach().float(), rank, n_iter_max=n_iter_max, tol=tol, init=init,
                          random_state=seed, normalize_factors=False)
     finally:

@@ -1,0 +1,178 @@
+"""TRAWL: stack a layer's Q,K,V,O (or FFN) matrices into a 3-way tensor and decompose it (CP or Tucker).
+
+Luo et al., "TRAWL: Tensor Reduced and Approximated Weights for Large Language Models".
+
+Stacking (the tensor is n x O x N, one slice per matrix; the first largest matrix sets O x N):
+- a matrix of shape O x N is stacked as is (the paper's QKVO when all four are square);
+- a matrix of shape N x O is stacked transposed (the paper transposes one FFN matrix: for a gated
+  MLP, down_proj; for a two-matrix MLP, fc_out; also Gemma's o_proj, whose shape is Q's transposed);
+- grouped-query attention: K and V (n_kv * head_dim rows instead of n_heads * head_dim) are stacked
+  *repeated*, one copy per query head (query head h reads KV head h // n_rep, as in transformers);
+  the approximation of K is the mean of its copies. The cost: K and V take n_rep times more room
+  in the tensor than in the model (SmolLM2: 3x), which weights them more in the fit, and the
+  factor A must serve O = n_heads * head_dim rows for all four.
+Formulations: ``per_layer`` (default, the paper's), ``segmented`` (the model's early / middle / late
+thirds, each one tensor over its chosen layers) and ``whole_model`` (one tensor over all chosen layers).
+
+``rank``: CP rank R (int, or a fraction of min(O, N)); for Tucker an int R (ranks (n, R, R)), a float
+fraction of O and N, or three ints (R0, R1, R2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import _fail
+from ..decompositions import cp_als, relative_error, tucker_hooi
+from ..layers import SharedFactors, TensorSlice
+from .base import Method, register_method
+
+DECOMPOSITIONS = ("cp", "tucker")
+GROUPS = {"qkvo": ("self_attn.*_proj",), "fc": ("mlp.*",)}
+FORMULATIONS = ("per_layer", "segmented", "whole_model")
+CONTAINER = "trawl_factors"
+
+
+def _head_dim(cfg) -> int:
+    hd = getattr(cfg, "head_dim", None)
+    return hd or cfg.hidden_size // cfg.num_attention_heads
+
+
+def stacking_plan(shapes: dict[str, tuple[int, int]], head_dim: int | None) -> tuple[tuple[int, int], dict[str, tuple[bool, int]]]:
+    """How each matrix enters the n x O x N tensor: {name: (transposed, n_rep)}; raises ValueError if one cannot."""
+    ref = max(shapes.values(), key=lambda s: s[0] * s[1])
+    out_dim, in_dim = ref
+    plan = {}
+    for name, (o, n) in shapes.items():
+        if (o, n) == ref:
+            plan[name] = (False, 1)
+        elif (n, o) == ref:
+            plan[name] = (True, 1)
+        elif n == in_dim and out_dim % o == 0 and head_dim and o % head_dim == 0:
+            plan[name] = (False, out_dim // o)
+        else:
+            raise ValueError(
+                f"trawl: {name} ({o}x{n}) cannot be stacked with {out_dim}x{in_dim} matrices; allowed: the same shape, "
+                "its transpose, or fewer rows by a whole number of attention heads (grouped-query K/V)"
+            )
+    return ref, plan
+
+
+def stack(weights: dict[str, torch.Tensor], plan: dict[str, tuple[bool, int]], head_dim: int) -> torch.Tensor:
+    slices = []
+    for name, w in weights.items():
+        transposed, n_rep = plan[name]
+        w = w.detach().float()
+        if transposed:
+            w = w.T
+        elif n_rep > 1:
+            kv, n = w.shape[0] // head_dim, w.shape[1]
+            w = w.view(kv, 1, head_dim, n).expand(kv, n_rep, head_dim, n).reshape(kv * n_rep * head_dim, n)
+        slices.append(w)
+    return torch.stack(slices)
+
+
+@register_method
+class Trawl(Method):
+    name = "trawl"
+    default_rank = 64
+    option_defaults = {"decomposition": "cp", "group": "fc", "formulation": "per_layer",
+                       "n_iter_max": 100, "tol": 1e-6, "init": "svd", "seed": 0}
+
+    def validate_options(self, options):
+        o = super().validate_options(options)
+        if o["decomposition"] not in DECOMPOSITIONS:
+            _fail("decomposition", o["decomposition"], " | ".join(map(repr, DECOMPOSITIONS)))
+        if o["group"] not in GROUPS:
+            _fail("group", o["group"], " | ".join(map(repr, GROUPS)))
+        if o["formulation"] not in FORMULATIONS:
+            _fail("formulation", o["formulation"], " | ".join(map(repr, FORMULATIONS)))
+        if not isinstance(o["n_iter_max"], int) or isinstance(o["n_iter_max"], bool) or o["n_iter_max"] < 1:
+            _fail("n_iter_max", o["n_iter_max"], "an int >= 1")
+        if not isinstance(o["tol"], (int, float)) or isinstance(o["tol"], bool) or not o["tol"] > 0:
+            _fail("tol", o["tol"], "a number > 0")
+        if o["init"] not in ("svd", "random"):
+            _fail("init", o["init"], "'svd' | 'random'")
+        if not isinstance(o["seed"], int) or isinstance(o["seed"], bool):
+            _fail("seed", o["seed"], "an int")
+        return o
+
+    def validate_rank(self, rank, options):
+        if options["decomposition"] == "tucker" and isinstance(rank, (list, tuple)):
+            if len(rank) != 3 or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rank):
+                _fail("rank", rank, "for Tucker: an int, a float in (0, 1], or three ints >= 1 (R0, R1, R2)")
+            return list(rank)
+        return super().validate_rank(rank, options)
+
+    def targets_for(self, options):
+        return GROUPS[options["group"]]
+
+    def units(self, entry, layers, n_layers):
+        f = entry.options["formulation"]
+        if f == "per_layer":
+            return [[i] for i in layers]
+        if f == "whole_model":
+            return [list(layers)] if layers else []
+        thirds: dict[int, list[int]] = {}
+        for i in layers:
+            thirds.setdefault(min(2, i * 3 // n_layers), []).append(i)
+        return [thirds[k] for k in sorted(thirds)]
+
+    def _ranks(self, entry, n: int, out_dim: int, in_dim: int) -> tuple[int, int, int]:
+        r = entry.rank
+        if entry.options["decomposition"] == "cp":
+            r = r if isinstance(r, int) else max(1, round(r * min(out_dim, in_dim)))
+            return (r, r, r)
+        if isinstance(r, list):
+            return tuple(r)
+        if isinstance(r, float):
+            return (n, max(1, round(r * out_dim)), max(1, round(r * in_dim)))
+        return (n, min(r, out_dim), min(r, in_dim))
+
+    def check_unit(self, modules, entry, ctx):
+        if len(modules) < 2:
+            raise ValueError(f"trawl: group {entry.options['group']!r} found only {sorted(modules)}; allowed: a group of at least 2 matrices")
+        (out_dim, in_dim), _ = stacking_plan({k: tuple(m.weight.shape) for k, m in modules.items()}, _head_dim(ctx.config))
+        r0, r1, r2 = self._ranks(entry, len(modules), out_dim, in_dim)
+        if entry.options["decomposition"] == "tucker" and (r0 > len(modules) or r1 > out_dim or r2 > in_dim):
+            raise ValueError(f"TensorCompressionConfig.rank: got Tucker ranks {(r0, r1, r2)}; allowed: at most "
+                             f"({len(modules)}, {out_dim}, {in_dim}) for this {len(modules)} x {out_dim} x {in_dim} tensor")
+
+    def compress(self, modules, entry, ctx):
+        opts = entry.options
+        hd = _head_dim(ctx.config)
+        weights = {k: m.weight for k, m in modules.items()}
+        (out_dim, in_dim), plan = stacking_plan({k: tuple(w.shape) for k, w in weights.items()}, hd)
+        tensor = stack(weights, plan, hd)
+        ranks = self._ranks(entry, len(weights), out_dim, in_dim)
+        kw = dict(n_iter_max=opts["n_iter_max"], tol=opts["tol"], init=opts["init"], seed=opts["seed"])
+        dtype = next(iter(weights.values())).dtype
+        if opts["decomposition"] == "cp":
+            d = cp_als(tensor, ranks[0], **kw)
+            c, a, b = d.weights_folded
+            core = None
+        else:
+            d = tucker_hooi(tensor, ranks, **kw)
+            c, a, b = d.factors
+            core = d.core
+        group_err = relative_error(tensor, d.reconstruct())
+        first = next(iter(modules))
+        container_name = f"{first.rpartition('.')[0]}.{CONTAINER}"
+        factors = SharedFactors(opts["decomposition"], len(weights), out_dim, in_dim, ranks, dtype=dtype, device=a.device)
+        with torch.no_grad():
+            factors.out_factor.copy_(a)
+            factors.in_factor.copy_(b)
+            if core is not None:
+                factors.core.copy_(core)
+        out = {container_name: (factors, {"ranks": list(ranks), "rel_error": group_err, "tensor": [len(weights), out_dim, in_dim]})}
+        for i, (name, lin) in enumerate(modules.items()):
+            transposed, n_rep = plan[name]
+            sl = TensorSlice(factors, f"{ctx.prefix}.{container_name}", i, transposed, n_rep, hd,
+                             bias=lin.bias is not None, dtype=dtype, device=a.device)
+            with torch.no_grad():
+                sl.weight.copy_(c[i])
+                if lin.bias is not None:
+                    sl.bias.copy_(lin.bias)
+                err = relative_error(lin.weight, sl.dense_weight())
+            out[name] = (sl, {"rel_error": err, "group": f"{ctx.prefix}.{container_name}", "group_rel_error": group_err})
+        return out
