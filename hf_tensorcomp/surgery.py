@@ -141,7 +141,9 @@ def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: tor
     specs = sorted(config.compressed_modules.items(), key=lambda kv: layer_build_order(kv[1]))
     for name, spec in specs:
         try:
-            old = model.get_submodule(name) if not spec.get("new") else model.get_submodule(name.rpartition(".")[0]) and None
+            # a module the compression added (shared factors) needs only its parent to exist
+            model.get_submodule(name.rpartition(".")[0] if spec.get("new") else name)
+            old = None if spec.get("new") else model.get_submodule(name)
         except AttributeError:
             raise ValueError(
                 f"compressed_modules: the checkpoint names module {name!r}, which this model does not have; "

@@ -38,11 +38,12 @@ def test_smollm2_laser_quality_save_reload_generate(smol, tmp_path):
     texts = load_text("wikipedia", "eval")
     kw = dict(context_length=256, stride=256, max_tokens=1024, progress=False)
     base = perplexity(dense, tok, texts, **kw)["ppl"]
-    mild = AutoModelForCausalLM.from_pretrained(path, quantization_config=TensorCompressionConfig(rank=0.5, targets=["mlp.*"], layers=[-1], progress=False))
+    mild = AutoModelForCausalLM.from_pretrained(path, quantization_config=TensorCompressionConfig(
+        rank=0.75, targets=["self_attn.q_proj", "self_attn.k_proj"], progress=False))
     harsh = AutoModelForCausalLM.from_pretrained(path, quantization_config=TensorCompressionConfig(rank=0.05, targets=["mlp.*"], progress=False))
     p_mild, p_harsh = perplexity(mild, tok, texts, **kw)["ppl"], perplexity(harsh, tok, texts, **kw)["ppl"]
     assert base < 40  # the real model on real text
-    assert p_mild < 1.3 * base  # half rank on one FFN costs little
+    assert p_mild < 1.25 * base  # q,k tolerate rank reduction (benchmarks/results/laser.md: 27.5 -> 29.5)
     assert p_harsh > 3 * base  # 5 % rank on every FFN breaks the model
     mild.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
