@@ -153,6 +153,9 @@ def cmd_sweep(args) -> int:
     from .eval import multiple_choice_accuracy, perplexity
     from .sweep import layer_sweep
 
+    if not args.layers or not args.ranks:
+        raise ValueError("sweep: --layers and --ranks are required (on the command line or in --recipe); allowed: "
+                         "e.g. --layers -3 -2 -1 --ranks 16 64 256")
     options = dict(args.option or [])
     sets = [{**options, "group": g} for g in args.groups] if args.groups else [options]
     src = _resolve(args.model)
@@ -210,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("sweep", help="one layer at a time: decompose, evaluate, revert; writes a JSON table")
     w.add_argument("model", nargs="?", default="smollm2")
     w.add_argument("--method", default="trawl")
-    w.add_argument("--layers", nargs="+", type=int, required=True)
-    w.add_argument("--ranks", nargs="+", type=_rank, required=True)
+    w.add_argument("--layers", nargs="+", type=int, default=None, help="layers to sweep, one at a time (required)")
+    w.add_argument("--ranks", nargs="+", type=_rank, default=None, help="ranks to sweep (required)")
     w.add_argument("--groups", nargs="+", default=None, help="TRAWL groups to sweep, e.g. fc qkvo")
     w.add_argument("--targets", nargs="+", default=None)
     w.add_argument("--option", type=_option, action="append", help="method option KEY=VALUE (repeatable)")

@@ -32,3 +32,17 @@ def test_compress_recipe_on_bundled_model(tmp_path, capsys):
     assert report["bytes"] < report["dense_bytes"]
     assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".smol")]  # no temp folder left
+
+
+@pytest.mark.slow
+def test_sweep_recipe_writes_table(tmp_path, capsys):
+    recipe = tmp_path / "s.json"
+    recipe.write_text(json.dumps({"method": "trawl", "option": {"decomposition": "tucker"}, "groups": ["fc"],
+                                  "layers": [-1], "ranks": [1.0, 8], "max_eval_tokens": 256, "context_length": 128,
+                                  "stride": 128, "mc_examples": 8}))
+    out = tmp_path / "t.json"
+    assert main(["sweep", "--recipe", str(recipe), "--out", str(out), "--quiet"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rank"] for r in rows] == [None, 1.0, 8] and rows[1]["layer"] == 29
+    assert abs(rows[1]["ppl"] - rows[0]["ppl"]) < 1e-3 * rows[0]["ppl"]  # full-rank Tucker is exact
+    assert rows[2]["ppl"] > rows[0]["ppl"] and "mc_accuracy" in rows[2]
