@@ -40,9 +40,17 @@ class FactorizedModule(nn.Module):
         raise NotImplementedError
 
     def to_dense(self) -> nn.Module | None:
-        """An ordinary module computing the same function (what `mode="dense"` writes); None for a
-        container of shared factors, which dense mode drops."""
-        raise NotImplementedError
+        """An ordinary ``nn.Linear`` computing the same function (what `mode="dense"` writes).
+
+        Containers of shared factors override this to return None: dense mode drops them.
+        """
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        dtype=self.weight.dtype, device=self.weight.device)
+        with torch.no_grad():
+            lin.weight.copy_(self.dense_weight())
+            if self.bias is not None:
+                lin.bias.copy_(self.bias)
+        return lin
 
 
 def _layer_class(spec: dict) -> type[FactorizedModule]:

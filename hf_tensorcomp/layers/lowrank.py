@@ -54,14 +54,6 @@ class LowRankLinear(FactorizedModule):
     def dense_weight(self) -> torch.Tensor:
         return self.u @ self.v
 
-    def to_dense(self) -> nn.Linear:
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                        dtype=self.weight.dtype, device=self.weight.device)
-        with torch.no_grad():
-            lin.weight.copy_(self.dense_weight())
-            if self.bias is not None:
-                lin.bias.copy_(self.bias)
-        return lin
 
     def append_factors(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """Add ``u @ v`` (u: out x k, v: k x in) exactly, by growing the rank by k (used to merge LoRA)."""

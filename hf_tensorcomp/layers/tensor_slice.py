@@ -117,14 +117,6 @@ class TensorSlice(FactorizedModule):
         w = self._out_factor() @ m @ f.in_factor.T
         return w.T if self.transposed else w
 
-    def to_dense(self) -> nn.Linear:
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                        dtype=self.weight.dtype, device=self.weight.device)
-        with torch.no_grad():
-            lin.weight.copy_(self.dense_weight())
-            if self.bias is not None:
-                lin.bias.copy_(self.bias)
-        return lin
 
     def spec(self) -> dict:
         return {"layer": self.layer_type, "factors": self.factors_name, "index": self.index,
