@@ -267,7 +267,7 @@ def _download_dist(spec: str, kind: str) -> Path:
 def _download_sdist_from_index(req, dest: Path) -> Path:
     """Download the newest matching, non-yanked sdist of ``req`` into ``dest``, sha256-checked.
 
-    Uses the index's PEP 691 JSON simple API (``$PIP_INDEX_URL``, else https://pypi.org/simple)
+    Uses the index's PEP 691 JSON simple API (``$PIP_INDEX_URL``, else pip's own default index)
     and the sha256 the index lists for the file; only the archive is fetched, nothing is built.
     """
     import ssl
@@ -275,7 +275,9 @@ def _download_sdist_from_index(req, dest: Path) -> Path:
 
     from packaging.utils import canonicalize_name
 
-    index = (os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple").rstrip("/")
+    from pip._internal.models.index import PyPI  # pip's default index, as `pip download` would use
+
+    index = (os.environ.get("PIP_INDEX_URL") or PyPI.simple_url).rstrip("/")
     cafile = os.environ.get("PIP_CERT") or None
     context = ssl.create_default_context(cafile=cafile if cafile and os.path.isfile(cafile) else None)
     url = f"{index}/{canonicalize_name(req.name)}/"
