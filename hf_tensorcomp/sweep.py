@@ -71,7 +71,7 @@ def layer_sweep(model: nn.Module, method: str, layers: list[int], ranks: list, e
     for cfg in configs:  # every plan checked against the model before the first decomposition
         plan(model, cfg)
     rows = [{"layer": None, "rank": None, **evaluate(model)}]
-    n = find_decoder_layers(model)[1].__len__()
+    n = len(find_decoder_layers(model)[1])
     for (li, opts, r), cfg in tqdm(list(zip(points, configs)), desc="hf_tensorcomp: sweep", disable=not progress):
         restore, info = apply_approximation(model, cfg)
         try:

@@ -387,22 +387,18 @@ class _Handler(BaseHTTPRequestHandler):
                     while self.rfile.readline().strip():  # trailers
                         pass
                     return
-                remaining = size
-                while remaining:
-                    chunk = self.rfile.read(min(remaining, chunk_size))
-                    if not chunk:
-                        raise ConnectionResetError("truncated chunked body")
-                    remaining -= len(chunk)
-                    yield chunk
+                yield from self._read_exactly(size, chunk_size)
                 self.rfile.readline()  # CRLF after chunk
         else:
-            remaining = int(self.headers.get("Content-Length") or 0)
-            while remaining:
-                chunk = self.rfile.read(min(remaining, chunk_size))
-                if not chunk:
-                    raise ConnectionResetError("truncated body")
-                remaining -= len(chunk)
-                yield chunk
+            yield from self._read_exactly(int(self.headers.get("Content-Length") or 0), chunk_size)
+
+    def _read_exactly(self, remaining: int, chunk_size: int):
+        while remaining:
+            chunk = self.rfile.read(min(remaining, chunk_size))
+            if not chunk:
+                raise ConnectionResetError("truncated request body")
+            remaining -= len(chunk)
+            yield chunk
 
     def _read_body(self) -> bytes:
         return b"".join(self._iter_body())

@@ -10,10 +10,11 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tensorcomp import assets
 from hf_tensorcomp.eval import perplexity
+from tiny import tiny_llama
 
 SAMPLE = "The quick brown fox jumps over the lazy dog. Paris is the capital of France.\n\nA second paragraph."
 
@@ -35,13 +36,6 @@ class CharTokenizer:
         return {"input_ids": ids}
 
 
-def tiny_llama(vocab_size=64, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 @torch.no_grad()

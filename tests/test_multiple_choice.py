@@ -13,11 +13,10 @@ import tarfile
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_tensorcomp import assets
 from hf_tensorcomp.eval import multiple_choice_accuracy
-from tiny import _tiny
+from tiny import _tiny, tiny_llama
 
 # --------------------------------------------------------------------------- helpers
 
@@ -55,13 +54,6 @@ class MergingTokenizer:
         return {"input_ids": ids}
 
 
-def tiny_llama(vocab_size=64, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 101
@@ -26,3 +27,11 @@ ARCHS = ["llama", "qwen3", "gemma3"]
 
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def tiny_llama(vocab_size=64, seed=0):
+    """A seeded 2-layer Llama for evaluation tests (any vocabulary size)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()

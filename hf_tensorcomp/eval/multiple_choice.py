@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from .perplexity import _tokenizer_adds_bos
+from .perplexity import bos_prefix
 
 __all__ = ["multiple_choice_accuracy", "NORMALIZATIONS"]
 
@@ -130,11 +130,8 @@ def multiple_choice_accuracy(
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
-    if add_bos is None:
-        add_bos = _tokenizer_adds_bos(tokenizer)
-    if add_bos and tokenizer.bos_token_id is None:
-        raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
-    bos = [tokenizer.bos_token_id] if add_bos else []
+    bos = bos_prefix(tokenizer, add_bos)
+    add_bos = bool(bos)
 
     # one sequence per (example, choice): (token ids, index of the first scored token)
     seqs: list[tuple[list[int], int]] = []

@@ -26,6 +26,15 @@ def _windows(n: int, context_length: int, stride: int) -> list[tuple[int, int, i
     return out
 
 
+def bos_prefix(tokenizer, add_bos: bool | None) -> list[int]:
+    """``[bos_token_id]`` when BOS is to be prepended (``add_bos=None``: if the tokenizer adds it itself), else ``[]``."""
+    if add_bos is None:
+        add_bos = _tokenizer_adds_bos(tokenizer)
+    if add_bos and tokenizer.bos_token_id is None:
+        raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
+    return [tokenizer.bos_token_id] if add_bos else []
+
+
 def _tokenizer_adds_bos(tokenizer) -> bool:
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
@@ -101,11 +110,8 @@ def perplexity(
     ids = tokenizer("\n\n".join(texts), add_special_tokens=False, verbose=False)["input_ids"]
     if max_tokens is not None:
         ids = ids[:max_tokens]
-    if add_bos is None:
-        add_bos = _tokenizer_adds_bos(tokenizer)
-    bos = [tokenizer.bos_token_id] if add_bos else []
-    if add_bos and tokenizer.bos_token_id is None:
-        raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
+    bos = bos_prefix(tokenizer, add_bos)
+    add_bos = bool(bos)
     if len(ids) + len(bos) < 2:
         raise ValueError("texts are too short: need at least 2 tokens to score")
     if context_length + len(bos) < 2:
