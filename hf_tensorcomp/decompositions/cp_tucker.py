@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import tensorly as tl
 import torch
-from tensorly.decomposition import parafac, tucker
+from tensorly.decomposition import parafac, partial_tucker, tucker
 
 
 @dataclass
@@ -27,11 +27,14 @@ class CP:
 @dataclass
 class Tucker:
     core: torch.Tensor
-    factors: list[torch.Tensor]
+    factors: list[torch.Tensor]  # one per decomposed mode
+    modes: list[int] | None = None  # the decomposed modes (None: all); the others keep their full size in the core
 
     def reconstruct(self) -> torch.Tensor:
-        a, b, c = self.factors
-        return torch.einsum("pqr,ip,jq,kr->ijk", self.core, a, b, c)
+        out = self.core
+        for f, m in zip(self.factors, self.modes or range(self.core.ndim)):
+            out = torch.movedim(torch.tensordot(out, f, dims=([m], [1])), -1, m)
+        return out
 
 
 def _seeded(seed: int):
@@ -57,14 +60,23 @@ def cp_als(tensor: torch.Tensor, rank: int, n_iter_max: int = 100, tol: float = 
     return CP(factors)
 
 
-def tucker_hooi(tensor: torch.Tensor, ranks: tuple[int, int, int], n_iter_max: int = 100, tol: float = 1e-7,
-                init: str = "svd", seed: int = 0) -> Tucker:
-    """Tucker decomposition by higher-order orthogonal iteration (tensorly.tucker); orthonormal factors."""
+def tucker_hooi(tensor: torch.Tensor, ranks, n_iter_max: int = 100, tol: float = 1e-7,
+                init: str = "svd", seed: int = 0, modes: list[int] | None = None) -> Tucker:
+    """Tucker decomposition by higher-order orthogonal iteration; orthonormal factors.
+
+    ``modes``: decompose only these modes (tensorly.partial_tucker; ``ranks`` has one entry per listed
+    mode) — the other modes keep an identity factor, i.e. every index of them gets its own core slice
+    (TensorLLM's per-head cores). ``None``: all modes (tensorly.tucker).
+    """
     state = _seeded(seed)
+    t = tensor.detach().float()
     try:
         with tl.backend_context("pytorch"):
-            core, factors = tucker(tensor.detach().float(), list(ranks), n_iter_max=n_iter_max, tol=tol, init=init,
-                                   random_state=seed)
+            if modes is None:
+                core, factors = tucker(t, list(ranks), n_iter_max=n_iter_max, tol=tol, init=init, random_state=seed)
+            else:
+                (core, factors), _ = partial_tucker(t, list(ranks), modes=list(modes), n_iter_max=n_iter_max, tol=tol,
+                                                    init=init, random_state=seed)
     finally:
         torch.random.set_rng_state(state)
-    return Tucker(core.clone(), [f.clone() for f in factors])
+    return Tucker(core.clone(), [f.clone() for f in factors], None if modes is None else list(modes))

@@ -1,0 +1,194 @@
+"""TensorLLM: multi-head tensorisation of Q, K, V, O^T and Tucker with factors shared by all heads.
+
+Gu et al., "TensorLLM: Tensorising Multi-Head Attention for Enhanced Reasoning and Compression in LLMs".
+
+Per chosen layer, each projection is split by head into d_model x d_head matrices (W_i^Q, W_i^K,
+W_i^V, and (W_i^O)^T: the columns of o_proj that read head i), stacked into
+W_all (d_model x d_head x m x h) and decomposed by HOOI over the first three modes only (a partial
+Tucker: tensorly.partial_tucker), so U1, U2, U3 are shared by all heads and every head keeps its own
+core (the paper's Eq. 10, mode 4 with an identity factor). m is the number of projections targeted:
+4 by default (the paper), 1 for its ablation on a single matrix type.
+
+Grouped-query attention (the paper's models have none): K and V are stacked once per *query* head
+— query head i reads KV head i // n_rep, as in transformers — so the tensor keeps one head axis of
+size h and every query head's slab is (Q_i, K_{i//n_rep}, V_{i//n_rep}, O_i). KV head g is read back
+as the mean of its n_rep copies. Exact at full rank (the copies are identical); the cost is that K
+and V weigh n_rep times in the fit. (Tensorising per KV group instead would need n_rep query blocks
+per slab and break the paper's one-slab-per-head structure.)
+
+Ranks: ``ranks=(R1, R2, R3)``, or ``ratio=CR`` — the paper's compression rate (the layer's original
+attention weight count over the compressed count, biases excluded) — for which ranks are chosen
+from the mode spectra: starting at full rank, repeatedly drop the rank whose discarded squared
+singular value (of that mode's unfolding) per parameter saved is smallest, until the count fits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import _fail
+from ..decompositions import relative_error, tucker_hooi
+from ..layers import HeadTuckerFactors, HeadTuckerProjection
+from .base import Method, register_method
+
+ROLE_OF = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
+CONTAINER = "tensorllm_factors"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def attention_shape(cfg) -> tuple[int, int, int, int]:
+    """(d_model, head_dim, n_heads, n_kv_heads) of a transformers text config."""
+    h = cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+    return cfg.hidden_size, hd, h, getattr(cfg, "num_key_value_heads", None) or h
+
+
+def head_slices(weights: dict[str, torch.Tensor], head_dim: int, n_heads: int) -> torch.Tensor:
+    """W_all (d_model x head_dim x m x h), fp32, from {role: dense weight} in the order given."""
+    slabs = []
+    for role, w in weights.items():
+        w = w.detach().float()
+        if role == "o":  # (d_model, h*hd): the columns that read head i are (W_i^O)^T
+            slabs.append(w.view(w.shape[0], n_heads, head_dim).permute(0, 2, 1))
+        else:  # (g*hd, d_model): head g's rows, transposed; KV heads repeated per query head (i -> i // n_rep)
+            g = w.shape[0] // head_dim
+            slabs.append(w.view(g, head_dim, -1).permute(2, 1, 0).repeat_interleave(n_heads // g, dim=2))
+    return torch.stack(slabs, dim=2)
+
+
+def param_count(d_model: int, head_dim: int, m: int, h: int, ranks) -> int:
+    r1, r2, r3 = ranks
+    return d_model * r1 + head_dim * r2 + m * r3 + r1 * r2 * r3 * h
+
+
+def ranks_for_ratio(tensor: torch.Tensor, original: int, ratio: float) -> tuple[int, int, int]:
+    """Multilinear ranks (R1, R2, R3) whose parameter count is at most ``original / ratio``.
+
+    Greedy on the spectra of the mode-1..3 unfoldings: drop, one at a time, the rank whose squared
+    singular value per parameter saved is smallest (the HOSVD error bound is the sum over modes of
+    the discarded squared singular values).
+    """
+    d, hd, m, h = tensor.shape
+    spectra = [torch.linalg.svdvals(torch.movedim(tensor, n, 0).reshape(tensor.shape[n], -1)).pow(2) for n in range(3)]
+    ranks = [len(s) for s in spectra]
+    budget = original / ratio
+    while param_count(d, hd, m, h, ranks) > budget:
+        best, best_score = None, None
+        for n in range(3):
+            if ranks[n] == 1:
+                continue
+            smaller = ranks.copy()
+            smaller[n] -= 1
+            saved = param_count(d, hd, m, h, ranks) - param_count(d, hd, m, h, smaller)
+            score = spectra[n][ranks[n] - 1].item() / saved
+            if best is None or score < best_score:
+                best, best_score = n, score
+        if best is None:
+            most = original / param_count(d, hd, m, h, ranks)
+            raise ValueError(f"TensorCompressionConfig.ratio: got {ratio}; allowed: at most {most:.1f} for this layer "
+                             "(ranks (1, 1, 1) already)")
+        ranks[best] -= 1
+    return tuple(ranks)
+
+
+@register_method
+class TensorLLM(Method):
+    name = "tensorllm"
+    default_targets = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    default_rank = None
+    option_defaults = {"ranks": None, "ratio": None, "n_iter_max": 100, "tol": 1e-6, "init": "svd", "seed": 0}
+
+    def validate_options(self, options):
+        o = super().validate_options(options)
+        if (o["ranks"] is None) == (o["ratio"] is None):
+            _fail("ranks", o["ranks"], "exactly one of ranks=(R1, R2, R3) and ratio=<compression rate > 1>; "
+                  f"got ratio={o['ratio']!r}")
+        if o["ranks"] is not None:
+            r = o["ranks"]
+            if not isinstance(r, (list, tuple)) or len(r) != 3 or not all(_is_int(x) and x >= 1 for x in r):
+                _fail("ranks", r, "three ints >= 1 (R1 for d_model, R2 for head_dim, R3 for the Q/K/V/O mode)")
+            o["ranks"] = list(r)
+        if o["ratio"] is not None:
+            if not isinstance(o["ratio"], (int, float)) or isinstance(o["ratio"], bool) or not o["ratio"] > 1:
+                _fail("ratio", o["ratio"], "a number > 1 (original attention parameters / compressed)")
+            o["ratio"] = float(o["ratio"])
+        if not _is_int(o["n_iter_max"]) or o["n_iter_max"] < 1:
+            _fail("n_iter_max", o["n_iter_max"], "an int >= 1")
+        if not isinstance(o["tol"], (int, float)) or isinstance(o["tol"], bool) or not o["tol"] > 0:
+            _fail("tol", o["tol"], "a number > 0")
+        if o["init"] not in ("svd", "random"):
+            _fail("init", o["init"], "'svd' | 'random'")
+        if not _is_int(o["seed"]):
+            _fail("seed", o["seed"], "an int")
+        return o
+
+    def validate_rank(self, rank, options):
+        if rank is not None:
+            _fail("rank", rank, "None for tensorllm: give ranks=(R1, R2, R3) or ratio=<compression rate>")
+        return None
+
+    def _layers(self, modules) -> dict[str, dict[str, str]]:
+        """{layer index: {role: module name}} in q, k, v, o order."""
+        out: dict[str, dict[str, str]] = {}
+        for name in modules:
+            layer, _, rest = name.partition(".")
+            leaf = rest.rpartition(".")[2]
+            if leaf not in ROLE_OF:
+                _fail("targets", rest, "attention projections named q_proj, k_proj, v_proj, o_proj (a subset of them)")
+            out.setdefault(layer, {})[ROLE_OF[leaf]] = name
+        return {k: {r: v[r] for r in "qkvo" if r in v} for k, v in out.items()}
+
+    def check_unit(self, modules, entry, ctx):
+        d, hd, h, kv = attention_shape(ctx.config)
+        for layer, roles in self._layers(modules).items():
+            for role, name in roles.items():
+                heads = kv if role in "kv" else h
+                want = (d, heads * hd) if role == "o" else (heads * hd, d)
+                got = tuple(modules[name].weight.shape)
+                if got != want:
+                    raise ValueError(f"tensorllm: {ctx.prefix}.{name} is {got[0]}x{got[1]}, expected {want[0]}x{want[1]} "
+                                     f"from the config (hidden {d}, {h} heads, {kv} KV heads, head_dim {hd}); "
+                                     "allowed: standard multi-head / grouped-query projections")
+            r = entry.options["ranks"]
+            if r is not None and (r[0] > d or r[1] > hd or r[2] > len(roles)):
+                raise ValueError(f"TensorCompressionConfig.ranks: got {tuple(r)}; allowed: at most ({d}, {hd}, {len(roles)}) "
+                                 f"for layer {layer}'s {d} x {hd} x {len(roles)} x {h} tensor")
+
+    def compress(self, modules, entry, ctx):
+        opts = entry.options
+        d, hd, h, kv = attention_shape(ctx.config)
+        out = {}
+        for layer, roles in self._layers(modules).items():
+            weights = {role: modules[name].weight for role, name in roles.items()}
+            dtype, device = next(iter(weights.values())).dtype, next(iter(weights.values())).device
+            tensor = head_slices(weights, hd, h)
+            original = sum(w.numel() for w in weights.values())
+            ranks = tuple(opts["ranks"]) if opts["ranks"] else ranks_for_ratio(tensor, original, opts["ratio"])
+            t = tucker_hooi(tensor, ranks, n_iter_max=opts["n_iter_max"], tol=opts["tol"], init=opts["init"],
+                            seed=opts["seed"], modes=[0, 1, 2])
+            u1, u2, u3 = t.factors
+            compressed = param_count(d, hd, len(roles), h, ranks)
+            container = f"{next(iter(roles.values())).rpartition('.')[0]}.{CONTAINER}"
+            factors = HeadTuckerFactors(d, hd, h, ranks, dtype=dtype, device=device)
+            with torch.no_grad():
+                factors.u1.copy_(u1)
+                factors.u2.copy_(u2)
+                factors.core.copy_(t.core)
+            err = relative_error(tensor, t.reconstruct())
+            out[container] = (factors, {"ranks": list(ranks), "rel_error": err, "tensor": [d, hd, len(roles), h],
+                                        "params_original": original, "params_compressed": compressed,
+                                        "compression_ratio": round(original / compressed, 3)})
+            for j, (role, name) in enumerate(roles.items()):
+                lin = modules[name]
+                proj = HeadTuckerProjection(factors, f"{ctx.prefix}.{container}", role, n_rep=h // kv if role in "kv" else 1,
+                                            bias=lin.bias is not None, dtype=dtype, device=device)
+                with torch.no_grad():
+                    proj.weight.copy_(u3[j])
+                    if lin.bias is not None:
+                        proj.bias.copy_(lin.bias)
+                    proj_err = relative_error(lin.weight, proj.dense_weight())
+                out[name] = (proj, {"rel_error": proj_err, "group": f"{ctx.prefix}.{container}"})
+        return out
