@@ -1,0 +1,127 @@
+"""`EinSortLinear`: a linear layer whose weight is stored as a sorted tensorization (EinSort).
+
+The stored form is exactly what `hf_tensorcomp.decompositions.einsort.EinSortTensor.to_dict` gives:
+
+- ``weight``: every stored factor entry, concatenated (1-D, the factor dtype) — never the dense shape;
+- ``perm``, ``signs``, ``pivots``: uint8 buffers holding the bit-packed permutation indices
+  (ceil(log2 n) bits each), sign bits (1 per entry) and block-identity pivot indices; persistent,
+  so ``save_pretrained`` writes them into the safetensors file next to the factors;
+- ``in_scale`` (activation-aware only): the ASVD input-channel scaling s; the stored weight
+  approximates W diag(s), and the layer divides it back out.
+
+A sorted layout cannot run factored (the permutation scatters entries of the product), so the
+forward rebuilds the dense weight from these tensors at every call and multiplies with it; nothing
+derived is cached, so what is saved is all there is. The saving is in bytes on disk and in memory,
+not in FLOPs (the forward costs the dense matmul plus the rebuild).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..decompositions.einsort import EinSortTensor
+from .base import FactorizedModule, register_layer
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_BUFFERS = ("pivots", "perm", "signs")
+
+
+@register_layer
+class EinSortLinear(FactorizedModule):
+    """Stands in for ``nn.Linear(in_features, out_features)``; see the module doc for the stored tensors.
+
+    ``meta``: the `EinSortTensor` metadata (its ``shape`` is the tensor that was fitted: the weight,
+    transposed if ``transposed``, reshaped). ``factor_dtype``: a pinned factor dtype (e.g. bfloat16
+    factors in a float32 model) or None (the factors follow the model's dtype).
+    """
+
+    layer_type = "einsort_linear"
+
+    def __init__(self, in_features: int, out_features: int, meta: dict, transposed: bool = False, bias: bool = False,
+                 scaled: bool = False, factor_dtype: str | None = None, dtype=None, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.meta, self.transposed, self.scaled, self.factor_dtype = dict(meta), transposed, scaled, factor_dtype
+        self.compute_dtype = dtype or torch.get_default_dtype()
+        fdtype = _DTYPES[factor_dtype] if factor_dtype else self.compute_dtype
+        specs = EinSortTensor.tensor_specs(self.meta)
+        self.weight = nn.Parameter(torch.empty(specs["cores"][0], dtype=fdtype, device=device))
+        for name in _BUFFERS:
+            if name in specs:
+                self.register_buffer(name, torch.empty(specs[name][0], dtype=torch.uint8, device=device))
+            else:
+                setattr(self, name, None)
+        self.in_scale = nn.Parameter(torch.empty(in_features, dtype=fdtype, device=device), requires_grad=False) if scaled else None
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=self.compute_dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_fitted(cls, fitted: EinSortTensor, in_features: int, out_features: int, transposed: bool = False,
+                    bias: torch.Tensor | None = None, in_scale: torch.Tensor | None = None,
+                    factor_dtype: str | None = None, dtype=None) -> "EinSortLinear":
+        tensors, meta = fitted.to_dict()
+        dtype = dtype or torch.float32
+        m = cls(in_features, out_features, meta, transposed=transposed, bias=bias is not None, scaled=in_scale is not None,
+                factor_dtype=factor_dtype, dtype=dtype, device=tensors["cores"].device)
+        with torch.no_grad():
+            m.weight.copy_(tensors["cores"])
+            for name in _BUFFERS:
+                if name in tensors:
+                    getattr(m, name).copy_(tensors[name])
+            if in_scale is not None:
+                m.in_scale.copy_(in_scale)
+            if bias is not None:
+                m.bias.copy_(bias)
+        return m
+
+    def fitted(self) -> EinSortTensor:
+        tensors = {"cores": self.weight.detach()}
+        tensors.update({n: getattr(self, n) for n in _BUFFERS if getattr(self, n) is not None})
+        return EinSortTensor.from_dict(tensors, self.meta)
+
+    def _weight_fp32(self) -> torch.Tensor:
+        w = self.fitted().reconstruct(torch.float32)
+        w = w.reshape(self.in_features, self.out_features).T if self.transposed else w.reshape(self.out_features, self.in_features)
+        if self.in_scale is not None:
+            w = w / self.in_scale.float()
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._weight_fp32().to(x.dtype), self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self._weight_fp32().to(self.compute_dtype)
+
+    def to_dense(self) -> nn.Module:
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, dtype=self.compute_dtype,
+                        device=self.weight.device)
+        with torch.no_grad():
+            lin.weight.copy_(self.dense_weight())
+            if self.bias is not None:
+                lin.bias.copy_(self.bias)
+        return lin
+
+    def nbytes(self) -> int:
+        """Honest bytes of the stored weight: factors at their dtype + packed bits (+ the ASVD scale); bias excluded."""
+        n = self.weight.numel() * self.weight.element_size()
+        n += sum(getattr(self, b).numel() for b in _BUFFERS if getattr(self, b) is not None)
+        if self.in_scale is not None:
+            n += self.in_scale.numel() * self.in_scale.element_size()
+        return n
+
+    def spec(self) -> dict:
+        return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
+                "bias": self.bias is not None, "transposed": self.transposed, "scaled": self.scaled,
+                "factor_dtype": self.factor_dtype, "einsort": self.meta}
+
+    @classmethod
+    def from_spec(cls, spec: dict, dtype=None, root=None) -> "EinSortLinear":
+        return cls(spec["in_features"], spec["out_features"], spec["einsort"], transposed=spec["transposed"],
+                   bias=spec["bias"], scaled=spec["scaled"], factor_dtype=spec["factor_dtype"], dtype=dtype)
+
+    def extra_repr(self) -> str:
+        m = self.meta
+        sort = "none" if m["sort_axis"] is None else ("full" if not m["reduce_over"] else f"shared over {m['reduce_over']}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, network={m['network']}, "
+                f"fold={tuple(m['fold_shape'])}, sort={sort}, nonnegative={m['nonnegative']}, bytes={self.nbytes()}")
