@@ -68,3 +68,27 @@ def markdown_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     for r in rows:
         out.append("| " + " | ".join(("-" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in cols) + " |")
     return "\n".join(out)
+
+
+@torch.inference_mode()
+def prefill_tokens_per_s(model, tok, batch: int = 4, length: int = 256) -> float:
+    """Forward throughput on `batch` x `length` tokens of held-out text (compute-bound, unlike batch-1 decode)."""
+    ids = tok(" ".join(load_text("wikipedia", "eval")[:40]), return_tensors="pt").input_ids[0, : batch * length]
+    ids = ids.view(batch, length)
+    model(ids[:, :16])  # warm-up
+    t0 = time.perf_counter()
+    model(ids)
+    return batch * length / (time.perf_counter() - t0)
+
+
+def interleaved(models: dict, measures: dict, rounds: int = 3) -> dict:
+    """Median of `rounds` measurements per (model, measure), taken round-robin so drift hits all alike.
+
+    models: {name: model}; measures: {label: fn(model) -> number}. Returns {f"{name} {label}": median}.
+    """
+    got: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, m in models.items():
+            for label, fn in measures.items():
+                got.setdefault(f"{name} {label}", []).append(fn(m))
+    return {k: statistics.median(v) for k, v in got.items()}

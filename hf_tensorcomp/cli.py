@@ -153,11 +153,16 @@ def cmd_sweep(args) -> int:
     from .eval import multiple_choice_accuracy, perplexity
     from .sweep import layer_sweep
 
-    if not args.layers or not args.ranks:
-        raise ValueError("sweep: --layers and --ranks are required (on the command line or in --recipe); allowed: "
-                         "e.g. --layers -3 -2 -1 --ranks 16 64 256")
+    if not args.layers or not (args.ranks or args.ratios):
+        raise ValueError("sweep: --layers and --ranks (or --ratios) are required (on the command line or in --recipe); "
+                         "allowed: e.g. --layers -3 -2 -1 --ranks 16 64 256, or --method tensorllm --ratios 4 16 50")
+    if args.ranks and args.ratios:
+        raise ValueError("sweep: got both --ranks and --ratios; allowed: one of them")
     options = dict(args.option or [])
     sets = [{**options, "group": g} for g in args.groups] if args.groups else [options]
+    if args.ratios:  # compression-rate targets (tensorllm's `ratio` option) instead of ranks
+        sets = [{**s, "ratio": r} for s in sets for r in args.ratios]
+    ranks = args.ranks or [None]
     src = _resolve(args.model)
     tok = transformers.AutoTokenizer.from_pretrained(src)
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)).eval()
@@ -171,7 +176,7 @@ def cmd_sweep(args) -> int:
             out["mc_accuracy"] = multiple_choice_accuracy(m, tok, mc, progress=False)["accuracy"]
         return out
 
-    rows = layer_sweep(model, args.method, args.layers, args.ranks, evaluate, option_sets=sets,
+    rows = layer_sweep(model, args.method, args.layers, ranks, evaluate, option_sets=sets,
                        targets=args.targets, progress=not args.quiet)
     for r in rows:
         print(json.dumps(r))
@@ -215,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--method", default="trawl")
     w.add_argument("--layers", nargs="+", type=int, default=None, help="layers to sweep, one at a time (required)")
     w.add_argument("--ranks", nargs="+", type=_rank, default=None, help="ranks to sweep (required)")
+    w.add_argument("--ratios", nargs="+", type=float, default=None,
+                   help="compression rates to sweep instead of ranks (tensorllm's ratio option)")
     w.add_argument("--groups", nargs="+", default=None, help="TRAWL groups to sweep, e.g. fc qkvo")
     w.add_argument("--targets", nargs="+", default=None)
     w.add_argument("--option", type=_option, action="append", help="method option KEY=VALUE (repeatable)")

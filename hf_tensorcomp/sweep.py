@@ -27,12 +27,12 @@ def apply_approximation(model: nn.Module, config: TensorCompressionConfig) -> tu
 
     Returns ``(restore, info)``: calling ``restore()`` puts the original weights back; ``info`` has
     the parameter count the factored form would have, the dense count it replaces, the relative
-    errors and the compression time.
+    errors, each module's full stats (as `compressed_modules` stats would hold them) and the compression time.
     """
     _, layer_list = find_decoder_layers(model)
     ctx = _context(model)
     backups: list[tuple[torch.Tensor, torch.Tensor]] = []
-    info = {"factored_params": 0, "dense_params": 0, "rel_errors": {}, "seconds": 0.0}
+    info = {"factored_params": 0, "dense_params": 0, "rel_errors": {}, "stats": {}, "seconds": 0.0}
     t0 = time.perf_counter()
     with torch.no_grad():
         for k, names in plan(model, config):
@@ -42,6 +42,7 @@ def apply_approximation(model: nn.Module, config: TensorCompressionConfig) -> tu
             for name, (new, st) in get_method(entry.method).compress(mods, entry, ctx).items():
                 info["factored_params"] += sum(p.numel() for p in new.parameters(recurse=False))
                 info["rel_errors"][name] = st["rel_error"]
+                info["stats"][name] = st
                 if name not in mods or not isinstance(new, FactorizedModule):
                     continue
                 w = mods[name].weight

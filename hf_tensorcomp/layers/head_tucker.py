@@ -97,14 +97,14 @@ class HeadTuckerProjection(FactorizedModule):
         return c
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # plain matmuls (no einsum path search per call: decode at batch 1 is overhead-bound)
         f, c = self.factors, self.maps()
-        if self.role == "o":
-            a = x.view(*x.shape[:-1], c.shape[0], f.head_dim)
-            z = torch.einsum("...hd,db,hab->...a", a, f.u2, c)
-            return F.linear(z, f.u1, self.bias)
-        z = F.linear(x, f.u1.T)
-        y = torch.einsum("...a,hab,db->...hd", z, c, f.u2)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        g, r1, r2 = c.shape
+        if self.role == "o":  # a_i (hd) -> U2^T a_i (R2) -> sum_i C_i (.) (R1) -> U1 (.) (d_model)
+            z = torch.matmul(x.view(*x.shape[:-1], g, f.head_dim), f.u2).flatten(-2)
+            return F.linear(F.linear(z, c.transpose(1, 2).reshape(g * r2, r1).T), f.u1, self.bias)
+        z = F.linear(F.linear(x, f.u1.T), c.transpose(0, 1).reshape(r1, g * r2).T)  # (..., g*R2)
+        y = F.linear(z.view(*z.shape[:-1], g, r2), f.u2).flatten(-2)
         return y if self.bias is None else y + self.bias
 
     def dense_weight(self) -> torch.Tensor:
