@@ -107,9 +107,13 @@ def bond_ranks(kind: str, shape, rank) -> list[int]:
         return [min(ranks[0], *shape)]
     if kind == "cp":
         return [ranks[0]]
-    if kind == "tucker":
-        ranks = ranks * n if len(ranks) == 1 else ranks
-        return [min(r, s) for r, s in zip(ranks, shape)]
+    if kind == "tucker":  # r_k <= n_k, and r_k <= prod of the other ranks (the mode-k unfolding's rank)
+        ranks = [min(r, s) for r, s in zip(ranks * n if len(ranks) == 1 else ranks, shape)]
+        while True:
+            capped = [min(r, math.prod(ranks[:k] + ranks[k + 1:])) for k, r in enumerate(ranks)]
+            if capped == ranks:
+                return ranks
+            ranks = capped
     if kind == "tt":
         inner = ranks * (n - 1) if len(ranks) == 1 else ranks
         out = [1]
