@@ -1,0 +1,260 @@
+"""EinSortCache: exactness against DynamicCache (greedy, sampling, beam, padded batches), honest bytes,
+sliding and linear-attention layers left alone, pipeline per call, lossy settings, validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
+
+from hf_tensorcomp import EinSortCache
+from hf_tensorcomp.cache import EinSortLayer
+from tiny import VOCAB, _tiny, rel_err
+
+LOSSLESS = dict(rank=1000, segment=4, residual=3)  # several segments compressed in prefill and while decoding
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small fits and contractions run far faster on one thread on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return _tiny("llama").eval()
+
+
+@pytest.fixture(scope="module")
+def padded():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (2, 13), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    ids[1, :4] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def tiny_hybrid():
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=2,
+                          linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    torch.manual_seed(0)
+    return Qwen3NextForCausalLM(cfg).eval()
+
+
+def held_tensors(obj, seen=None) -> list[torch.Tensor]:
+    """Every tensor reachable from `obj` through attributes, lists, tuples and dicts (each once)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+        items = list(getattr(obj, "__dict__", {}).values())
+        items += [getattr(obj, s) for s in getattr(obj, "__slots__", ()) if hasattr(obj, s)]
+    else:
+        return []
+    return [t for it in items for t in held_tensors(it, seen)]
+
+
+def nbytes_of(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ------------------------------------------------------------------------------------------------
+# exactness: a lossless configuration gives DynamicCache's output
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("network", ["svd", "tt", "tucker"])
+def test_lossless_greedy_padded_batch(llama, padded, network):
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = llama.generate(**padded, **kw)
+    cache = EinSortCache(llama.config, network=network, **LOSSLESS)
+    out = llama.generate(**padded, past_key_values=cache, **kw)
+    assert torch.equal(out, ref)
+    layer = cache.layers[0]
+    assert isinstance(layer, EinSortLayer) and len(layer.segments) == 2
+    assert layer.compressed_length == 20 and layer.keys.shape[-2] == 4  # 24 cached tokens: 5 segments + window
+    assert cache.get_seq_length() == 13 + 12 - 1
+
+
+def test_lossless_beam_search_and_sampling(llama, padded):
+    kw = dict(max_new_tokens=10, pad_token_id=0)
+    ref = llama.generate(**padded, num_beams=3, num_return_sequences=2, do_sample=False, **kw)
+    out = llama.generate(**padded, num_beams=3, num_return_sequences=2, do_sample=False,
+                         past_key_values=EinSortCache(llama.config, **LOSSLESS), **kw)
+    assert torch.equal(out, ref)
+    torch.manual_seed(5)
+    ref = llama.generate(**padded, do_sample=True, top_k=20, **kw)
+    torch.manual_seed(5)
+    out = llama.generate(**padded, do_sample=True, top_k=20, past_key_values=EinSortCache(llama.config, **LOSSLESS), **kw)
+    assert torch.equal(out, ref)
+
+
+def test_reorder_and_batch_ops_move_rows_exactly(llama, padded):
+    cache = EinSortCache(llama.config, rank=2, segment=4, residual=0)
+    llama(**padded, past_key_values=cache)
+    layer = cache.layers[1]
+    k0, v0 = layer.reconstruct()
+    layer.reorder_cache(torch.tensor([1, 0]))
+    k1, v1 = layer.reconstruct()
+    assert torch.equal(k1, k0.flip(0)) and torch.equal(v1, v0.flip(0))
+    cache.batch_repeat_interleave(2)
+    assert torch.equal(cache.layers[1].reconstruct()[0], k1.repeat_interleave(2, dim=0))
+    cache.batch_select_indices(torch.tensor([0, 3]))
+    assert torch.equal(cache.layers[1].reconstruct()[0], k1)
+    assert cache.layers[1].keys.shape[0] == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# bytes
+# ------------------------------------------------------------------------------------------------
+
+def test_nbytes_is_what_the_cache_holds(llama, padded):
+    cache = EinSortCache(llama.config, network="tt", rank=3, segment=4, residual=2)
+    llama.generate(**padded, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    parts = cache.storage()
+    assert all(parts[k] > 0 for k in ("factors", "pivots", "perm", "signs", "window"))
+    assert parts["total"] == cache.nbytes() == nbytes_of(held_tensors(cache.layers))
+    # nothing dense hides in a layer: its window is all that is not packed
+    layer = cache.layers[0]
+    packed = [t for row in layer.segments for pair in row for s in pair for t in s.tensors.values()]
+    assert all(t.dtype in (torch.uint8, torch.float32) for t in packed)
+    assert nbytes_of(held_tensors(layer)) == nbytes_of(packed) + nbytes_of([layer.keys, layer.values])
+    # dense_nbytes is what DynamicCache holds for the same tokens; a rank-3 cache holds less
+    dyn = DynamicCache(config=llama.config)
+    llama.generate(**padded, past_key_values=dyn, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert cache.dense_nbytes() == sum(nbytes_of([l.keys, l.values]) for l in dyn.layers)
+    assert cache.nbytes() < cache.dense_nbytes()
+
+
+def test_rank_fraction_is_a_byte_budget_per_segment(llama, padded):
+    cache = EinSortCache(llama.config, rank=0.5, segment=4, residual=0)
+    llama(**padded, past_key_values=cache)
+    for layer in cache.layers:
+        for row in layer.segments:
+            for pair in row:
+                for s in pair:
+                    assert s.nbytes() <= 0.5 * 4 * s.shape[0] * s.shape[1] * s.shape[2]
+
+
+# ------------------------------------------------------------------------------------------------
+# other layer kinds
+# ------------------------------------------------------------------------------------------------
+
+def test_gemma3_sliding_layers_untouched():
+    torch.manual_seed(0)
+    model = _tiny("gemma3").eval()
+    ids = torch.randint(1, VOCAB, (2, 14), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    dyn = DynamicCache(config=model.config)
+    ref = model.generate(ids, past_key_values=dyn, **kw)
+    cache = EinSortCache(model.config, **LOSSLESS)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kw), ref)
+    assert cache.einsort_layers == [2]
+    for i in (0, 1):
+        assert type(cache.layers[i]) is DynamicSlidingWindowLayer
+        assert torch.equal(cache.layers[i].keys, dyn.layers[i].keys)
+    assert cache.storage()["other_layers"] == sum(nbytes_of([dyn.layers[i].keys, dyn.layers[i].values]) for i in (0, 1))
+    # a lossy cache leaves the sliding layers (0, 1, before the only global layer) as DynamicCache has them
+    lossy, dyn = EinSortCache(model.config, rank=1, segment=4, residual=0), DynamicCache(config=model.config)
+    for c in (lossy, dyn):
+        with torch.no_grad():
+            model(ids, past_key_values=c)
+            model(ids[:, :5], past_key_values=c)
+    assert lossy.layers[2].compressed_length == 16
+    for i in (0, 1):
+        assert torch.equal(lossy.layers[i].keys, dyn.layers[i].keys) and torch.equal(lossy.layers[i].values, dyn.layers[i].values)
+
+
+def test_hybrid_linear_attention_model():
+    model = tiny_hybrid()
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    cache = EinSortCache(model.config, **LOSSLESS)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kw), ref)
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [LinearAttentionLayer, LinearAttentionLayer, LinearAttentionLayer, EinSortLayer]
+    assert cache.storage()["other_layers"] > 0 and cache.layers[3].compressed_length > 0
+    beams = model.generate(ids, num_beams=2, past_key_values=EinSortCache(model.config, **LOSSLESS), **kw)
+    assert torch.equal(beams, model.generate(ids, num_beams=2, **kw))
+
+
+def test_no_config_replicates_einsort_layers(llama, padded):
+    cache = EinSortCache(None, **LOSSLESS)
+    out = llama.generate(**padded, past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, llama.generate(**padded, max_new_tokens=5, do_sample=False, pad_token_id=0))
+    assert len(cache.einsort_layers) == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# lossy settings: attention sees the reconstruction
+# ------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def test_lossy_changes_logits_but_stays_close(llama, padded):
+    ids = torch.randint(1, VOCAB, (1, 40), generator=torch.Generator().manual_seed(6))
+    ref = llama(ids).logits[:, 32:]
+
+    def decode_logits(**cfg):
+        cache = EinSortCache(llama.config, segment=16, residual=0, **cfg)
+        llama(ids[:, :32], past_key_values=cache)  # prefill sees dense states, then 2 segments are compressed
+        assert cache.layers[0].compressed_length == 32
+        return llama(ids[:, 32:], past_key_values=cache).logits  # teacher-forced, sees the reconstruction
+
+    exact = decode_logits(rank=1000)
+    assert rel_err(exact, ref) < 1e-4
+    errs = {r: rel_err(decode_logits(rank=r), ref) for r in (1, 4)}
+    assert 1e-3 < errs[4] < errs[1] < 0.5
+    plain = rel_err(decode_logits(rank=1, sort=None, nonnegative=False), ref)
+    assert 1e-3 < plain < 0.5
+
+
+# ------------------------------------------------------------------------------------------------
+# pipeline, one real model
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smollm2_pipeline_per_call():
+    from transformers import pipeline
+
+    from hf_tensorcomp.assets import model_path
+    pipe = pipeline("text-generation", model=str(model_path("smollm2")))
+    kw = dict(max_new_tokens=12, do_sample=False, return_full_text=False)
+    ref = pipe("The capital of France is", **kw)[0]["generated_text"]
+    cache = EinSortCache(pipe.model.config, network="tt", rank=1000, segment=4, residual=2)
+    assert pipe("The capital of France is", past_key_values=cache, **kw)[0]["generated_text"] == ref
+    assert cache.layers[0].compressed_length > 0
+    small = EinSortCache(pipe.model.config, network="svd", rank=0.5, segment=4, residual=2)
+    assert isinstance(pipe("The capital of France is", past_key_values=small, **kw)[0]["generated_text"], str)
+    assert small.nbytes() < small.dense_nbytes()
+
+
+# ------------------------------------------------------------------------------------------------
+# validation
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(network="mps"), "network"), (dict(rank=0), "rank"), (dict(rank=1.5), "rank"), (dict(rank="8"), "rank"),
+    (dict(segment=0), "segment"), (dict(residual=-1), "residual"), (dict(segment=True), "segment"),
+    (dict(sort="rows"), "sort"), (dict(sort_span="head"), "sort_span"), (dict(network="cp", gauge="block_identity"), "gauge"),
+    (dict(mapping=("pow", -1)), "mapping"), (dict(reduction="sum"), "reduction"), (dict(dtype=torch.int8), "dtype"),
+])
+def test_bad_settings_name_the_field(llama, kwargs, field):
+    with pytest.raises(ValueError, match=rf"EinSortCache\.{field}: got .*; allowed: "):
+        EinSortCache(llama.config, **kwargs)
