@@ -46,3 +46,15 @@ def test_sweep_recipe_writes_table(tmp_path, capsys):
     assert [r["rank"] for r in rows] == [None, 1.0, 8] and rows[1]["layer"] == 29
     assert abs(rows[1]["ppl"] - rows[0]["ppl"]) < 1e-3 * rows[0]["ppl"]  # full-rank Tucker is exact
     assert rows[2]["ppl"] > rows[0]["ppl"] and "mc_accuracy" in rows[2]
+
+
+@pytest.mark.slow
+def test_sweep_over_tensorllm_ratios(tmp_path):
+    out = tmp_path / "t.json"
+    assert main(["sweep", "--method", "tensorllm", "--layers", "-1", "--ratios", "2", "50", "--max-eval-tokens", "256",
+                 "--context-length", "128", "--stride", "128", "--out", str(out), "--quiet"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r.get("ratio") for r in rows] == [None, 2.0, 50.0]
+    assert rows[0]["ppl"] < rows[1]["ppl"] < rows[2]["ppl"]
+    assert rows[2]["dense_params"] >= 50 * rows[2]["factored_params"]
+    assert main(["sweep", "--method", "tensorllm", "--layers", "-1", "--ratios", "2", "--ranks", "4", "--out", str(out)]) == 2

@@ -158,3 +158,22 @@ def test_ranks_too_large_or_wrong_targets_fail_before_loading(tiny_dirs):
 def test_config_round_trip():
     c = TensorCompressionConfig(method="tensorllm", ranks=(64, 32, 3), layers=[-2])
     assert TensorCompressionConfig.from_dict(json.loads(c.to_json_string())) == c
+
+
+@pytest.mark.slow
+@torch.no_grad()
+@pytest.mark.parametrize("name, layers", [("smollm2", [0, -1]), ("gemma3", [5])])
+def test_real_model_full_rank_exact(name, layers):
+    from transformers import AutoTokenizer
+
+    from hf_tensorcomp.assets import load_text, model_path
+
+    path = model_path(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok(load_text("wikipedia", "eval")[0], return_tensors="pt").input_ids[:, :48]
+    dense = AutoModelForCausalLM.from_pretrained(path).eval()
+    ref, ranks = dense(ids).logits, full_ranks(dense)
+    del dense
+    m = load(path, ranks=ranks, layers=layers)
+    assert ranks == ((576, 64, 4) if name == "smollm2" else (640, 256, 4))  # 9/3 heads x 64; 4/1 heads x 256
+    assert rel_err(m(ids).logits, ref) <= 1e-4
