@@ -182,18 +182,21 @@ def invert_permutation(y: torch.Tensor, perm: torch.Tensor, axis: int) -> torch.
 
 def to_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     """Non-negative ints -> their `width`-bit big-endian binary digits, flattened (uint8 0/1)."""
-    v = values.reshape(-1).to(torch.int64)
     if width == 0:
-        return torch.zeros(0, dtype=torch.uint8, device=v.device)
-    shifts = torch.arange(width - 1, -1, -1, device=v.device)
+        return torch.zeros(0, dtype=torch.uint8, device=values.device)
+    it = torch.int32 if width < 31 else torch.int64
+    v = values.reshape(-1).to(it)
+    shifts = torch.arange(width - 1, -1, -1, device=v.device, dtype=it)
     return ((v[:, None] >> shifts) & 1).to(torch.uint8).reshape(-1)
 
 
 def from_bits(bits: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """Inverse of `to_bits`: int64 values."""
     if width == 0:
         return torch.zeros(count, dtype=torch.int64, device=bits.device)
-    b = bits[: count * width].reshape(count, width).to(torch.int64)
-    return (b << torch.arange(width - 1, -1, -1, device=bits.device)).sum(-1)
+    it = torch.int32 if width < 31 else torch.int64
+    b = bits[: count * width].reshape(count, width).to(it)
+    return (b << torch.arange(width - 1, -1, -1, device=bits.device, dtype=it)).sum(-1, dtype=torch.int64)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -279,7 +282,12 @@ class EinSortTensor:
             tensors["perm"] = pack_bits(to_bits(self.perm, index_bits(self.shape[self.sort_axis])))
         if self.signs is not None:
             tensors["signs"] = self.signs
-        meta = {
+        return tensors, self.meta()
+
+    def meta(self) -> dict:
+        """The JSON-able metadata `to_dict` returns beside the tensors."""
+        pivot_cores = [k for k, p in enumerate(self.network.pivots) if p is not None]
+        return {
             "format": FORMAT, "shape": list(self.shape), "dtype": _dtype_name(self.dtype),
             "factor_dtype": _dtype_name(self.factor_dtype), "network": self.network.kind,
             "fold_shape": list(self.network.shape), "fold_order": None if self.fold_order is None else list(self.fold_order),
@@ -288,7 +296,6 @@ class EinSortTensor:
             "perm_shape": None if self.perm is None else list(self.perm.shape),
             "mapping": list(self.mapping), "reduction": self.reduction, "nonnegative": self.nonnegative,
         }
-        return tensors, meta
 
     @staticmethod
     def tensor_specs(meta: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -343,11 +350,11 @@ class EinSortTensor:
                    nonnegative=meta["nonnegative"], signs=tensors.get("signs"))
 
     def storage(self) -> dict[str, int]:
-        """Bytes per part: factors, pivots, permutation, signs; and the total."""
-        tensors, _ = self.to_dict()
-        parts = {"factors": tensors["cores"].numel() * tensors["cores"].element_size()}
-        for k in ("pivots", "perm", "signs"):
-            parts[k] = tensors[k].numel() if k in tensors else 0
+        """Bytes per part (factors, pivots, permutation, signs) and the total: the sizes of `to_dict`'s tensors."""
+        specs = self.tensor_specs(self.meta())
+        parts = {k: math.prod(specs[k][0]) * torch.empty(0, dtype=specs[k][1]).element_size() if k in specs else 0
+                 for k in ("cores", "pivots", "perm", "signs")}
+        parts["factors"] = parts.pop("cores")
         parts["total"] = sum(parts.values())
         return parts
 
