@@ -140,14 +140,17 @@ def test_nbytes_is_what_the_cache_holds(llama, padded):
     assert cache.nbytes() < cache.dense_nbytes()
 
 
-def test_rank_fraction_is_a_byte_budget_per_segment(llama, padded):
-    cache = EinSortCache(llama.config, rank=0.5, segment=4, residual=0)
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+def test_rank_fraction_is_a_byte_budget_per_segment(llama, padded, dtype):
+    """The fraction is of the segment's bytes at the states' dtype (fp32 here), whatever the factor dtype."""
+    cache = EinSortCache(llama.config, rank=0.5, segment=4, residual=0, dtype=dtype)
     llama(**padded, past_key_values=cache)
-    for layer in cache.layers:
-        for row in layer.segments:
-            for pair in row:
-                for s in pair:
-                    assert s.nbytes() <= 0.5 * 4 * s.shape[0] * s.shape[1] * s.shape[2]
+    sizes = [s.nbytes() / (4 * s.shape[0] * s.shape[1] * s.shape[2])
+             for layer in cache.layers for row in layer.segments for pair in row for s in pair]
+    assert max(sizes) <= 0.5 and min(sizes) > 0.3
+    assert cache.layers[0].segments[0][0][0].tensors["cores"].dtype == (dtype or torch.float32)
+    with pytest.raises(ValueError, match=r"EinSortCache\.rank: got 0\.01; allowed: a byte fraction >= "):
+        llama(**padded, past_key_values=EinSortCache(llama.config, rank=0.01, segment=4, residual=0))
 
 
 # ------------------------------------------------------------------------------------------------

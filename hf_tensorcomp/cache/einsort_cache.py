@@ -181,9 +181,19 @@ def compress_segment(x: torch.Tensor, settings: EinSortCacheSettings) -> PackedS
             fold = (h * t, d)
     sort_axis = None if settings.sort is None else sort_axis
     reduce_over = 0 if settings.sort == "shared" else None
-    approx = einsort.fit(sorted_view, settings.network, settings.rank, sort_axis=sort_axis, reduce_over=reduce_over,
+    factor_dtype = settings.dtype or x.dtype
+    rank = settings.rank
+    if isinstance(rank, float):  # a budget in bytes of the segment at the *states'* dtype (einsort.fit's is at the factor dtype)
+        overhead = einsort.overhead_bytes(sorted_view.shape, sort_axis, reduce_over, settings.nonnegative)
+        dense = x.numel() * x.element_size()
+        rank = einsort.rank_for_budget(int(rank * dense), settings.network, fold, settings.gauge, factor_dtype, overhead)
+        if rank is None:
+            least = overhead + einsort.network_bytes(settings.network, fold, 1, settings.gauge, factor_dtype)
+            _fail("rank", settings.rank, f"a byte fraction >= {least / dense:.4f} for this segment: the permutation and "
+                  f"sign bits alone take {overhead} of its {dense} dense bytes")
+    approx = einsort.fit(sorted_view, settings.network, rank, sort_axis=sort_axis, reduce_over=reduce_over,
                          mapping=settings.mapping, reduction=settings.reduction, nonnegative=settings.nonnegative,
-                         gauge=settings.gauge, fold=fold, dtype=settings.dtype or x.dtype, steps=settings.steps,
+                         gauge=settings.gauge, fold=fold, dtype=factor_dtype, steps=settings.steps,
                          n_iter_max=settings.n_iter_max)
     tensors, meta = approx.to_dict()
     return PackedSegment(tensors, meta, (h, t, d))

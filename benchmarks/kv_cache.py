@@ -1,0 +1,311 @@
+"""KV-cache compression: EinSortCache against plain SVD, full sorting and transformers' QuantizedCache.
+
+The EinSort paper's protocol (Section 3) on held-out Wikipedia paragraphs: each window is the first
+129 tokens of a paragraph; prefill its first 64 tokens (attention sees them dense), compress the
+cache, then decode tokens 64..127 teacher-forced — attention sees the reconstruction — and score
+each step's prediction of the next token (64 predictions per window). Perplexity over all windows.
+
+The teacher-forced decode is run as one 64-token forward after the prefill: with the compressed
+prefix and causal attention this is the same computation as 64 single-token steps (the cache returns
+reconstruction + the new tokens dense in both cases); the decode *time* is measured separately with
+real single-token steps.
+
+Contenders, at several byte ratios (bytes the cache holds after prefill + compression, over what
+DynamicCache holds for the same 64 tokens; for the SVD family the ratio is each segment's byte
+budget, permutation and sign bits included, and the realized ratio is reported):
+- ``einsort``: SVD of the sorted, mapped magnitudes; one permutation per head_dim channel shared
+  over the KV heads; sign bits; block-identity gauge.
+- ``svd``: plain truncated SVD of the (heads*tokens, head_dim) segment, no sorting, no sign bits.
+- ``fullsort``: as einsort, but one permutation per head (the reference; its indices cost more).
+- ``einsort-fp16`` / ``svd-fp16``: the same with float16 factors (the budget still counts fp32 dense bytes).
+- ``quanto-2bit`` / ``quanto-4bit`` (and HQQ if installed): transformers' QuantizedCache.
+Plus decode time per token (batch 1, single-token steps, interleaved round-robin, median) relative
+to DynamicCache, and bytes per token.
+
+    python benchmarks/kv_cache.py --recipe recipes/kv_cache_benchmark.json
+
+Writes benchmarks/results/kv_cache.json, kv_cache.md and kv_cache.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, markdown_table, write_json  # noqa: E402
+
+from hf_tensorcomp import EinSortCache  # noqa: E402
+from hf_tensorcomp.assets import load_text, model_path  # noqa: E402
+
+PREFILL, DECODE = 64, 64
+
+DEFAULT_RECIPE = {
+    "model": "smollm2",
+    "windows": 48,
+    "batch": 8,
+    "threads": 1,
+    "ratios": [0.1, 0.15, 0.25, 0.4, 0.6],
+    "timing_windows": 3,
+    "timing_ratio": 0.25,
+    "contenders": {
+        "einsort": {"network": "svd", "sort": "shared", "nonnegative": True},
+        "svd": {"network": "svd", "sort": None, "nonnegative": False},
+        "fullsort": {"network": "svd", "sort": "full", "nonnegative": True},
+    },
+    "quantized": [["quanto", 2], ["quanto", 4]],
+}
+
+
+# --------------------------------------------------------------------------------------------
+# bytes held by transformers' QuantizedCache (quanto: packed data + scale + shift; hqq: W_q + meta)
+# --------------------------------------------------------------------------------------------
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(o) for o in obj.values())
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return sum(_tensor_bytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    return 0
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, EinSortCache):
+        return cache.nbytes()
+    total = 0
+    for layer in cache.layers:
+        total += _tensor_bytes([layer.keys, layer.values])
+        total += _tensor_bytes([getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)])
+    return total
+
+
+def dense_bytes(model, batch: int, tokens: int) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * tokens * head_dim * model.dtype.itemsize
+
+
+# --------------------------------------------------------------------------------------------
+# contenders
+# --------------------------------------------------------------------------------------------
+
+def factories(model, recipe) -> list[dict]:
+    """[{name, family, ratio (target or None), make: () -> cache}]."""
+    out = [{"name": "dynamic", "family": "dynamic", "ratio": 1.0, "make": lambda: DynamicCache(config=model.config)}]
+    for family, kw in recipe["contenders"].items():
+        for r in recipe["ratios"]:
+            out.append({"name": f"{family}@{r:g}", "family": family, "ratio": r,
+                        "make": (lambda kw=kw, r=r: EinSortCache(model.config, rank=float(r), segment=PREFILL, residual=0, **kw))})
+    for family, kw in recipe.get("fp16_contenders", {}).items():
+        for r in recipe.get("fp16_ratios", recipe["ratios"]):
+            out.append({"name": f"{family}@{r:g}", "family": family, "ratio": r,
+                        "make": (lambda kw=kw, r=r: EinSortCache(model.config, rank=float(r), segment=PREFILL, residual=0,
+                                                                 dtype=torch.float16, **kw))})
+    for backend, nbits in recipe.get("quantized", []):
+        out.append({"name": f"{backend}-{nbits}bit", "family": f"{backend}", "ratio": None, "nbits": nbits,
+                    "make": (lambda b=backend, n=nbits: QuantizedCache(b, model.config, nbits=n, q_group_size=64,
+                                                                      residual_length=PREFILL))})
+    return out
+
+
+def available(entry) -> str | None:
+    """None if the contender can be built here, else why not."""
+    try:
+        entry["make"]()
+    except (ImportError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# measurements
+# --------------------------------------------------------------------------------------------
+
+def windows(tok, n: int) -> torch.Tensor:
+    out = []
+    for text in load_text("wikipedia", "eval"):
+        ids = tok(text, return_tensors="pt").input_ids[0]
+        if ids.numel() >= PREFILL + DECODE + 1:
+            out.append(ids[: PREFILL + DECODE + 1])
+        if len(out) == n:
+            break
+    return torch.stack(out)
+
+
+@torch.inference_mode()
+def evaluate(model, data: torch.Tensor, entry: dict, batch: int) -> dict:
+    nll, count, held, dense, secs = 0.0, 0, 0, 0, 0.0
+    for i in range(0, len(data), batch):
+        ids = data[i: i + batch]
+        cache = entry["make"]()
+        t0 = time.perf_counter()
+        model(ids[:, :PREFILL], past_key_values=cache, use_cache=True)  # prefill (dense), then segments compressed
+        secs += time.perf_counter() - t0
+        held += cache_bytes(cache)
+        dense += dense_bytes(model, ids.shape[0], PREFILL)
+        logits = model(ids[:, PREFILL: PREFILL + DECODE], past_key_values=cache, use_cache=True).logits
+        nll += torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 ids[:, PREFILL + 1:].reshape(-1), reduction="sum").item()
+        count += ids[:, PREFILL + 1:].numel()
+    return {"ppl": math.exp(nll / count), "bytes_ratio": held / dense, "bytes_per_token": held / (len(data) * PREFILL),
+            "prefill_compress_s": secs}
+
+
+@torch.inference_mode()
+def decode_ms_per_token(model, ids: torch.Tensor, entry: dict) -> float:
+    """Prefill 64 tokens (untimed), then 64 single-token teacher-forced steps; ms per step."""
+    cache = entry["make"]()
+    model(ids[None, :PREFILL], past_key_values=cache, use_cache=True)
+    t0 = time.perf_counter()
+    for t in range(PREFILL, PREFILL + DECODE):
+        model(ids[None, t: t + 1], past_key_values=cache, use_cache=True)
+    return (time.perf_counter() - t0) / DECODE * 1e3
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+def at_ratio(rows: list[dict], family: str, target: float) -> dict:
+    """A family's perplexity at `target` bytes: measured if a point lies within 1.5 points of it, else
+    log-linear interpolation between the two measured points around it (None if not bracketed)."""
+    pts = sorted((r["bytes_ratio"], r["ppl"]) for r in rows if r["family"] == family and r.get("ppl") is not None)
+    near = [p for p in pts if abs(p[0] - target) <= 0.015]
+    if near:
+        return {"ppl": near[0][1], "bytes_ratio": near[0][0], "how": "measured"}
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= target <= x1:
+            y = math.exp(math.log(y0) + (math.log(y1) - math.log(y0)) * (target - x0) / (x1 - x0))
+            return {"ppl": y, "bytes_ratio": target, "how": f"interpolated between {x0:.3f} and {x1:.3f}"}
+    return {"ppl": None, "bytes_ratio": None,
+            "how": f"not reachable here (measured ratios: {', '.join(f'{x:.3f}' for x, _ in pts) or 'none'})"}
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    base = next(r["ppl"] for r in rows if r["family"] == "dynamic")
+    ax.axhline(base, color="k", ls="--", lw=1, label=f"DynamicCache ({base:.2f})")
+    families = [f for f in dict.fromkeys(r["family"] for r in rows) if f != "dynamic"]
+    for fam in families:
+        pts = sorted((r["bytes_ratio"], r["ppl"]) for r in rows if r["family"] == fam and r.get("ppl") is not None)
+        if pts:
+            ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], "o-", label=fam)
+    ax.axvline(25, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("cache bytes after prefill, % of DynamicCache (fp32)")
+    ax.set_ylabel("perplexity (64 decoded tokens)")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", type=Path, help="JSON overriding DEFAULT_RECIPE's keys")
+    ap.add_argument("--windows", type=int)
+    ap.add_argument("--out", default="kv_cache", help="result file stem under benchmarks/results")
+    args = ap.parse_args(argv)
+    recipe = dict(DEFAULT_RECIPE)
+    if args.recipe:
+        recipe.update({k: v for k, v in json.loads(args.recipe.read_text()).items() if k != "description"})
+    if args.windows:
+        recipe["windows"] = args.windows
+    torch.set_num_threads(recipe["threads"])
+    torch.manual_seed(0)
+
+    path = model_path(recipe["model"])
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    data = windows(tok, recipe["windows"])
+    t_start = time.perf_counter()
+
+    rows, skipped = [], []
+    for entry in factories(model, recipe):
+        why = available(entry)
+        if why is not None and "rank" not in why:
+            skipped.append({"name": entry["name"], "why": why})
+            print("skip", entry["name"], why, flush=True)
+            continue
+        row = {k: entry[k] for k in ("name", "family", "ratio") if k in entry}
+        try:
+            row.update(evaluate(model, data, entry, recipe["batch"]))
+        except ValueError as e:  # e.g. a byte budget below what the permutation and sign bits alone take
+            row.update({"ppl": None, "note": str(e).split(": ", 1)[-1][:160]})
+        rows.append(row)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    eval_s = time.perf_counter() - t_start
+
+    # decode time: the families at the timing ratio (the quantized ones at their own), interleaved
+    timed = {"dynamic": next(e for e in factories(model, recipe) if e["name"] == "dynamic")}
+    for e in factories(model, recipe):
+        ok = any(r["name"] == e["name"] and r.get("ppl") is not None for r in rows)
+        if ok and (e["ratio"] == recipe["timing_ratio"] or e["ratio"] is None):
+            timed[e["name"]] = e
+    times: dict[str, list[float]] = {k: [] for k in timed}
+    for ids in data[: recipe["timing_windows"]]:
+        for name, e in timed.items():
+            times[name].append(decode_ms_per_token(model, ids, e))
+    base_ms = statistics.median(times["dynamic"])
+    timing = [{"name": k, "decode_ms_per_token": statistics.median(v), "vs_dynamic": statistics.median(v) / base_ms}
+              for k, v in times.items()]
+    for t in timing:
+        print(t, flush=True)
+
+    dyn_bpt = next(r["bytes_per_token"] for r in rows if r["family"] == "dynamic")
+    for r in rows:
+        if r.get("bytes_per_token") is not None:
+            r["bytes_per_token_vs_dynamic"] = r["bytes_per_token"] / dyn_bpt
+    families = [f for f in dict.fromkeys(r["family"] for r in rows) if f != "dynamic"]
+    summary = {f: at_ratio(rows, f, 0.25) for f in families}
+    setup = {"model": recipe["model"], "windows": len(data), "tokens_scored": len(data) * DECODE,
+             "prefill": PREFILL, "decode": DECODE, "threads": recipe["threads"], "dtype": str(model.dtype),
+             "torch": torch.__version__, "eval_seconds": eval_s, "recipe": recipe}
+    write_json(f"{args.out}.json", {"setup": setup, "rows": rows, "timing": timing, "at_25_percent": summary,
+                                    "skipped": skipped})
+
+    title = (f"{recipe['model']}: prefill {PREFILL}, compress, decode {DECODE} teacher-forced; "
+             f"{len(data)} Wikipedia windows")
+    md = [f"# KV-cache compression ({title})", "",
+          "Bytes: what each cache holds after prefill + compression, over DynamicCache's bytes for the same "
+          "64 tokens (fp32). EinSort-family ratios are per-segment byte budgets (factors + permutation + sign bits); "
+          "the realized ratio is shown.", "",
+          markdown_table(rows, [("name", "cache", "{}"), ("bytes_ratio", "bytes / dynamic", "{:.3f}"),
+                                ("bytes_per_token", "bytes / token", "{:.0f}"), ("ppl", "ppl", "{:.3f}"),
+                                ("prefill_compress_s", "prefill+compress s", "{:.2f}"), ("note", "note", "{}")]),
+          "", "## Perplexity at 25 % of DynamicCache bytes", "",
+          markdown_table([{"family": f, **v} for f, v in summary.items()],
+                         [("family", "contender", "{}"), ("ppl", "ppl", "{:.3f}"), ("bytes_ratio", "bytes / dynamic", "{:.3f}"),
+                          ("how", "how", "{}")]),
+          "", f"DynamicCache perplexity: {next(r['ppl'] for r in rows if r['family'] == 'dynamic'):.3f}", "",
+          f"## Decode time per token (batch 1, single-token steps after a 64-token prefill, median of "
+          f"{recipe['timing_windows']} windows, interleaved, {recipe['threads']} thread(s))", "",
+          markdown_table(timing, [("name", "cache", "{}"), ("decode_ms_per_token", "ms / token", "{:.1f}"),
+                                  ("vs_dynamic", "vs DynamicCache", "{:.2f}x")])]
+    if skipped:
+        md += ["", "Skipped: " + "; ".join(f"{s['name']} ({s['why'][:120]})" for s in skipped)]
+    (RESULTS / f"{args.out}.md").write_text("\n".join(md) + "\n")
+    plot(rows, RESULTS / f"{args.out}.png", title)
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
