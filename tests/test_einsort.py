@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_tensorcomp import TensorCompressionConfig
 from hf_tensorcomp.decompositions import einsort
-from hf_tensorcomp.decompositions.tensor_networks import TensorNetwork, bond_ranks, fit_network, gauge_fix, decompose
+from hf_tensorcomp.decompositions.tensor_networks import bond_ranks, decompose, fit_network, gauge_fix
 from hf_tensorcomp.layers import EinSortLinear
 from hf_tensorcomp.methods.einsort import activation_scales, save_activation_scales
 
