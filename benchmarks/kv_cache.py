@@ -181,7 +181,8 @@ def decode_ms_per_token(model, ids: torch.Tensor, entry: dict) -> float:
 
 def at_ratio(rows: list[dict], family: str, target: float) -> dict:
     """A family's perplexity at `target` bytes: measured if a point lies within 1.5 points of it, else
-    log-linear interpolation between the two measured points around it (None if not bracketed)."""
+    log-linear interpolation between the measured points around it, else (not bracketed) its best point
+    below `target` — a cache holding fewer bytes than the budget (None if it has none)."""
     pts = sorted((r["bytes_ratio"], r["ppl"]) for r in rows if r["family"] == family and r.get("ppl") is not None)
     near = [p for p in pts if abs(p[0] - target) <= 0.015]
     if near:
@@ -190,8 +191,12 @@ def at_ratio(rows: list[dict], family: str, target: float) -> dict:
         if x0 <= target <= x1:
             y = math.exp(math.log(y0) + (math.log(y1) - math.log(y0)) * (target - x0) / (x1 - x0))
             return {"ppl": y, "bytes_ratio": target, "how": f"interpolated between {x0:.3f} and {x1:.3f}"}
+    below = [p for p in pts if p[0] <= target]
+    if below:
+        x, y = min(below, key=lambda p: p[1])
+        return {"ppl": y, "bytes_ratio": x, "how": f"best point below the budget (no measured point above it)"}
     return {"ppl": None, "bytes_ratio": None,
-            "how": f"not reachable here (measured ratios: {', '.join(f'{x:.3f}' for x, _ in pts) or 'none'})"}
+            "how": f"not reachable (measured ratios: {', '.join(f'{x:.3f}' for x, _ in pts) or 'none'})"}
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -223,7 +228,10 @@ def main(argv=None):
     ap.add_argument("--recipe", type=Path, help="JSON overriding DEFAULT_RECIPE's keys")
     ap.add_argument("--windows", type=int)
     ap.add_argument("--out", default="kv_cache", help="result file stem under benchmarks/results")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the .md/.png (and summary) from the .json")
     args = ap.parse_args(argv)
+    if args.report_only:
+        return report(args.out)
     recipe = dict(DEFAULT_RECIPE)
     if args.recipe:
         recipe.update({k: v for k, v in json.loads(args.recipe.read_text()).items() if k != "description"})
@@ -270,24 +278,35 @@ def main(argv=None):
     for t in timing:
         print(t, flush=True)
 
+    setup = {"model": recipe["model"], "windows": len(data), "tokens_scored": len(data) * DECODE,
+             "prefill": PREFILL, "decode": DECODE, "threads": recipe["threads"], "dtype": str(model.dtype),
+             "torch": torch.__version__, "eval_seconds": eval_s, "recipe": recipe}
+    write_json(f"{args.out}.json", {"setup": setup, "rows": rows, "timing": timing, "skipped": skipped})
+    report(args.out)
+
+
+def report(out: str) -> None:
+    """Summaries, markdown table and plot from benchmarks/results/<out>.json (rewrites its summary)."""
+    res = json.loads((RESULTS / f"{out}.json").read_text())
+    setup, rows, timing, skipped = res["setup"], res["rows"], res["timing"], res.get("skipped", [])
+    recipe = setup["recipe"]
     dyn_bpt = next(r["bytes_per_token"] for r in rows if r["family"] == "dynamic")
     for r in rows:
         if r.get("bytes_per_token") is not None:
             r["bytes_per_token_vs_dynamic"] = r["bytes_per_token"] / dyn_bpt
     families = [f for f in dict.fromkeys(r["family"] for r in rows) if f != "dynamic"]
     summary = {f: at_ratio(rows, f, 0.25) for f in families}
-    setup = {"model": recipe["model"], "windows": len(data), "tokens_scored": len(data) * DECODE,
-             "prefill": PREFILL, "decode": DECODE, "threads": recipe["threads"], "dtype": str(model.dtype),
-             "torch": torch.__version__, "eval_seconds": eval_s, "recipe": recipe}
-    write_json(f"{args.out}.json", {"setup": setup, "rows": rows, "timing": timing, "at_25_percent": summary,
-                                    "skipped": skipped})
+    write_json(f"{out}.json", {**res, "rows": rows, "at_25_percent": summary})
 
-    title = (f"{recipe['model']}: prefill {PREFILL}, compress, decode {DECODE} teacher-forced; "
-             f"{len(data)} Wikipedia windows")
+    title = (f"{setup['model']}: prefill {PREFILL}, compress, decode {DECODE} teacher-forced; "
+             f"{setup['windows']} Wikipedia windows")
     md = [f"# KV-cache compression ({title})", "",
+          f"{setup['windows']} windows x {DECODE} scored tokens = {setup['tokens_scored']} tokens per contender; "
+          f"model {setup['dtype']}, torch {setup['torch']}, {setup['threads']} thread(s) on a shared 2-core CPU; "
+          f"evaluation took {setup['eval_seconds'] / 60:.1f} min.", "",
           "Bytes: what each cache holds after prefill + compression, over DynamicCache's bytes for the same "
           "64 tokens (fp32). EinSort-family ratios are per-segment byte budgets (factors + permutation + sign bits); "
-          "the realized ratio is shown.", "",
+          "the realized ratio is shown. `bytes / token` is for the whole cache (30 layers, keys and values).", "",
           markdown_table(rows, [("name", "cache", "{}"), ("bytes_ratio", "bytes / dynamic", "{:.3f}"),
                                 ("bytes_per_token", "bytes / token", "{:.0f}"), ("ppl", "ppl", "{:.3f}"),
                                 ("prefill_compress_s", "prefill+compress s", "{:.2f}"), ("note", "note", "{}")]),
@@ -297,15 +316,14 @@ def main(argv=None):
                           ("how", "how", "{}")]),
           "", f"DynamicCache perplexity: {next(r['ppl'] for r in rows if r['family'] == 'dynamic'):.3f}", "",
           f"## Decode time per token (batch 1, single-token steps after a 64-token prefill, median of "
-          f"{recipe['timing_windows']} windows, interleaved, {recipe['threads']} thread(s))", "",
+          f"{recipe['timing_windows']} windows, interleaved, {setup['threads']} thread(s))", "",
           markdown_table(timing, [("name", "cache", "{}"), ("decode_ms_per_token", "ms / token", "{:.1f}"),
                                   ("vs_dynamic", "vs DynamicCache", "{:.2f}x")])]
     if skipped:
         md += ["", "Skipped: " + "; ".join(f"{s['name']} ({s['why'][:120]})" for s in skipped)]
-    (RESULTS / f"{args.out}.md").write_text("\n".join(md) + "\n")
-    plot(rows, RESULTS / f"{args.out}.png", title)
+    (RESULTS / f"{out}.md").write_text("\n".join(md) + "\n")
+    plot(rows, RESULTS / f"{out}.png", title)
     print("\n".join(md))
-
 
 if __name__ == "__main__":
     main()
