@@ -35,9 +35,9 @@ from hf_tensorcomp.eval import multiple_choice_accuracy, perplexity  # noqa: E40
 from hf_tensorcomp.sweep import apply_approximation  # noqa: E402
 
 ATTN = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
-DEFAULTS = {"models": ["smollm2", "gemma3"], "layers": {"smollm2": [3, 15, 27], "gemma3": [2, 9, 16]},
-            "ratios": [1.5, 2, 4, 8, 16, 50, 100], "laser_ratios": [4, 16], "ablation_ratio": 8, "speed_ratio": 16,
-            "max_tokens": 2048, "mc_examples": 100}
+DEFAULTS = {"models": ["smollm2", "gemma3"], "layers": {"smollm2": [15, 27], "gemma3": [16]},
+            "ratios": [1.5, 3, 8, 50], "laser_ratios": [3, 8], "ablation_ratio": 8, "speed_ratio": 16,
+            "max_tokens": 1024, "mc_examples": 50}
 
 
 def laser_cost_per_rank(layer) -> int:
