@@ -24,6 +24,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -175,7 +176,8 @@ def main():
             ("rel_error", "rel. error", "{:.3f}"), ("ppl", "ppl", "{:.2f}"), ("ppl_ratio", "ppl / dense", "{:.3f}"),
             ("mc_acc", "wikihow acc", "{:.2f}"), ("compress_s", "compress s", "{:.2f}")]
     md = [f"TensorLLM on one layer's attention ({p['max_tokens']} Wikipedia eval tokens, ctx 512; first {p['mc_examples']} "
-          "goal_step_wikihow examples, length-normalised log-likelihood). CR = the layer's q,k,v,o weights / compressed.\n"]
+          "goal_step_wikihow examples, length-normalised log-likelihood). CR = the layer's q,k,v,o weights / compressed. "
+          f"fp32, {torch.get_num_threads()} CPU thread(s).\n"]
     titles = {"sweep": "(c) Layer x compression-rate sweep", "vs_laser": "(a) LASER on the same q,k,v,o at equal parameters",
               "ablation": "(b) Ablation: one projection alone vs all four (same R1, R2)"}
     for part, title in titles.items():
