@@ -16,6 +16,7 @@ ceil(log2 n) bits, sign bits, block-identity pivots), compared with the dense ma
    mapping x reduction (SmolLM2).
 
     python benchmarks/einsort.py [--recipe recipes/einsort_weights.json] [--parts recon ppl table] [--threads 1]
+    python benchmarks/einsort.py --report-only      # tables and plot again from einsort.json
 
 Writes benchmarks/results/einsort.json, einsort.md and einsort.png. One thread by default: on a
 shared 2-core machine multi-threaded BLAS stalls far more than it gains.
@@ -233,7 +234,8 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rec = [r for r in rows if r["part"] == "recon" and r["kind"] == "rank"]
+    fits = [r for r in rows if r["part"] == "recon" and r.get("rel_error") is not None]
+    rec = [r for r in fits if r["kind"] == "rank"]
     models = sorted({r["model"] for r in rec}, key=lambda m: DEFAULTS["models"].index(m) if m in DEFAULTS["models"] else 9)
     nets = [n for n in DEFAULTS["networks"] if any(r["network"] == n for r in rec)]
     if not rec:
@@ -247,7 +249,7 @@ def plot(rows, path):
                 ax = axes[2 * i + k][j]
                 for variant, c in colors.items():
                     for mat, ls in zip(mats, ("-", "--", ":")):
-                        pts = sorted((r[x] if x == "byte_ratio" else r["target"], r["rel_error"]) for r in rec
+                        pts = sorted((r[x] if x == "byte_ratio" else r["target"], r["rel_error"]) for r in (fits if k else rec)
                                      if r["model"] == model and r["network"] == net and r["variant"] == variant and r["matrix"] == mat)
                         if pts:
                             ax.plot(*zip(*pts), ls, color=c, marker="o", ms=3,
@@ -340,7 +342,15 @@ def main():
     ap.add_argument("--recipe", default=None, help="JSON overriding DEFAULTS (see recipes/einsort_weights.json)")
     ap.add_argument("--parts", nargs="+", default=["recon", "ppl", "table"], choices=["recon", "ppl", "table"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--report-only", action="store_true", help="rewrite einsort.md / einsort.png from einsort.json")
     args = ap.parse_args()
+    if args.report_only:
+        saved = json.loads((RESULTS / "einsort.json").read_text())
+        args.threads = saved["threads"]
+        (RESULTS / "einsort.md").write_text(report(saved["rows"], saved["config"], args)
+                                             + f"\nTotal benchmark time: {saved['seconds']:.0f} s.\n")
+        plot(saved["rows"], RESULTS / "einsort.png")
+        return
     cfg = dict(DEFAULTS)
     if args.recipe:
         recipe = json.loads(Path(args.recipe).read_text())
