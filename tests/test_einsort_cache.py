@@ -248,6 +248,24 @@ def test_smollm2_pipeline_per_call():
     assert small.nbytes() < small.dense_nbytes()
 
 
+@pytest.mark.slow
+@torch.no_grad()
+def test_gemma3_real_lossless_global_layers_compressed():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_tensorcomp.assets import model_path
+    path = model_path("gemma3")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    kw = dict(max_new_tokens=10, do_sample=False)
+    ref = model.generate(ids, **kw)
+    cache = EinSortCache(model.config, network="tt", rank=1000, segment=4, residual=2)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kw), ref)
+    assert len(cache.einsort_layers) == 3  # the global layers (5, 11, 17) of 18; head dim 256
+    assert all(cache.layers[i].compressed_length > 0 for i in cache.einsort_layers)
+
+
 # ------------------------------------------------------------------------------------------------
 # validation
 # ------------------------------------------------------------------------------------------------
