@@ -53,6 +53,19 @@ def decode_tokens_per_s(model, tok, new_tokens: int = 32, repeats: int = 3) -> f
     return new_tokens / statistics.median(times)
 
 
+def load_recipe(path, defaults: dict) -> dict:
+    """`defaults` updated from a recipe JSON file (its "description" ignored); unknown keys stop the run."""
+    out = dict(defaults)
+    if path:
+        recipe = json.loads(Path(path).read_text())
+        recipe.pop("description", None)
+        unknown = sorted(set(recipe) - set(defaults))
+        if unknown:
+            raise SystemExit(f"--recipe {path}: unknown key(s) {unknown}; allowed: {sorted(defaults)}")
+        out.update(recipe)
+    return out
+
+
 def write_json(name: str, rows) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name

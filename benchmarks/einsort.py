@@ -37,7 +37,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, markdown_table, ppl, write_json  # noqa: E402
+from common import RESULTS, load_recipe, markdown_table, ppl, write_json  # noqa: E402
 
 from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.assets import model_path  # noqa: E402
@@ -351,14 +351,7 @@ def main():
                                              + f"\nTotal benchmark time: {saved['seconds']:.0f} s.\n")
         plot(saved["rows"], RESULTS / "einsort.png")
         return
-    cfg = dict(DEFAULTS)
-    if args.recipe:
-        recipe = json.loads(Path(args.recipe).read_text())
-        recipe.pop("description", None)
-        unknown = sorted(set(recipe) - set(DEFAULTS))
-        if unknown:
-            raise SystemExit(f"--recipe {args.recipe}: unknown key(s) {unknown}; allowed: {sorted(DEFAULTS)}")
-        cfg.update(recipe)
+    cfg = load_recipe(args.recipe, DEFAULTS)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rows = []

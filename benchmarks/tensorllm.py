@@ -20,7 +20,6 @@ Writes benchmarks/results/tensorllm.json, tensorllm.md and tensorllm.png.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, decode_tokens_per_s, interleaved, markdown_table, prefill_tokens_per_s, write_json  # noqa: E402
+from common import RESULTS, decode_tokens_per_s, interleaved, load_recipe, markdown_table, prefill_tokens_per_s, write_json  # noqa: E402
 
 from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.assets import load_bigbench_task, load_text, model_path  # noqa: E402
@@ -156,14 +155,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--mc-examples", type=int, default=None)
     args = ap.parse_args()
-    p = dict(DEFAULTS)
-    if args.recipe:
-        recipe = json.loads(Path(args.recipe).read_text())
-        recipe.pop("description", None)
-        unknown = sorted(set(recipe) - set(DEFAULTS))
-        if unknown:
-            raise SystemExit(f"--recipe {args.recipe}: unknown key(s) {unknown}; allowed: {sorted(DEFAULTS)}")
-        p.update(recipe)
+    p = load_recipe(args.recipe, DEFAULTS)
     for k in ("models", "max_tokens", "mc_examples"):
         if getattr(args, k) is not None:
             p[k] = getattr(args, k)

@@ -33,6 +33,16 @@ def _fail(field: str, got: Any, allowed: str) -> None:
     raise ValueError(f"TensorCompressionConfig.{field}: got {got!r}; allowed: {allowed}")
 
 
+def is_int(x: Any, lo: int | None = None) -> bool:
+    """An int (not a bool), at least `lo` if given."""
+    return isinstance(x, int) and not isinstance(x, bool) and (lo is None or x >= lo)
+
+
+def choices(allowed) -> str:
+    """The "allowed" text of an error for a field that takes one of `allowed`."""
+    return " | ".join(map(repr, allowed))
+
+
 def validate_rank(rank: Any, field: str = "rank") -> int | float:
     """An int >= 1 (absolute rank) or a float in (0, 1] (fraction of the full rank)."""
     if isinstance(rank, bool):

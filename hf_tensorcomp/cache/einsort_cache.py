@@ -54,6 +54,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from ..config import is_int
 from ..decompositions import einsort
 from ..decompositions.tensor_networks import BLOCK_IDENTITY_NETWORKS, GAUGES, NETWORKS
 
@@ -64,10 +65,6 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 def _fail(field: str, got, allowed: str):
     raise ValueError(f"EinSortCache.{field}: got {got!r}; allowed: {allowed}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -94,7 +91,7 @@ class EinSortCacheSettings:
               n_iter_max=100) -> "EinSortCacheSettings":
         if network not in NETWORKS:
             _fail("network", network, " | ".join(map(repr, NETWORKS)))
-        if _is_int(rank):
+        if is_int(rank):
             if rank < 1:
                 _fail("rank", rank, "an int >= 1 (every bond, capped at the full rank) or a float byte fraction in (0, 1]")
         elif isinstance(rank, float):
@@ -102,9 +99,9 @@ class EinSortCacheSettings:
                 _fail("rank", rank, "an int >= 1 or a float byte fraction in (0, 1] (of each segment's dense bytes)")
         else:
             _fail("rank", rank, "an int >= 1 or a float byte fraction in (0, 1]")
-        if not _is_int(segment) or segment < 1:
+        if not is_int(segment) or segment < 1:
             _fail("segment", segment, "an int >= 1 (tokens per compressed segment)")
-        if not _is_int(residual) or residual < 0:
+        if not is_int(residual) or residual < 0:
             _fail("residual", residual, "an int >= 0 (tokens always kept in full precision)")
         if sort not in SORTS:
             _fail("sort", sort, "'shared' (one permutation shared over KV heads) | 'full' (one per head) | None")
@@ -128,9 +125,9 @@ class EinSortCacheSettings:
                   f"('block_identity' needs one of {', '.join(BLOCK_IDENTITY_NETWORKS)})")
         if dtype is not None and dtype not in _FLOAT_DTYPES:
             _fail("dtype", dtype, "None (the states' dtype) | " + " | ".join(map(str, _FLOAT_DTYPES)))
-        if not _is_int(steps) or steps < 0:
+        if not is_int(steps) or steps < 0:
             _fail("steps", steps, "an int >= 0 (Adam refinement steps per segment)")
-        if not _is_int(n_iter_max) or n_iter_max < 1:
+        if not is_int(n_iter_max) or n_iter_max < 1:
             _fail("n_iter_max", n_iter_max, "an int >= 1 (CP-ALS / HOOI iterations)")
         return cls(network=network, rank=rank, segment=segment, residual=residual, sort=sort, sort_span=sort_span,
                    nonnegative=nonnegative, mapping=mapping, reduction=reduction, gauge=gauge, dtype=dtype,

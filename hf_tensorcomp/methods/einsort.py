@@ -32,7 +32,7 @@ import os
 import torch
 from torch import nn
 
-from ..config import _fail
+from ..config import _fail, choices, is_int
 from ..decompositions import einsort as es
 from ..decompositions.tensor_networks import GAUGES, NETWORKS, bond_ranks
 from ..layers.einsort_linear import EinSortLinear
@@ -41,10 +41,6 @@ from .base import Method, register_method
 SORTS = ("shared", "full", "none")
 SORT_DIMS = ("in", "out")
 FACTOR_DTYPES = (None, "float32", "bfloat16", "float16")
-
-
-def _int(v, lo=0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
 
 @register_method
@@ -62,38 +58,38 @@ class EinSort(Method):
     def validate_options(self, options):
         o = super().validate_options(options)
         if o["network"] not in NETWORKS:
-            _fail("network", o["network"], " | ".join(map(repr, NETWORKS)))
+            _fail("network", o["network"], choices(NETWORKS))
         if o["sort"] not in SORTS:
-            _fail("sort", o["sort"], " | ".join(map(repr, SORTS)))
-        if not _int(o["group"], 1):
+            _fail("sort", o["sort"], choices(SORTS))
+        if not is_int(o["group"], 1):
             _fail("group", o["group"], "an int >= 1 (rows sharing one permutation)")
         if o["sort_dim"] not in SORT_DIMS:
-            _fail("sort_dim", o["sort_dim"], " | ".join(map(repr, SORT_DIMS)))
+            _fail("sort_dim", o["sort_dim"], choices(SORT_DIMS))
         try:
             o["mapping"] = list(es.parse_mapping(o["mapping"]))
         except ValueError:
-            _fail("mapping", o["mapping"], " | ".join(map(repr, es.MAPPINGS)) + ", or [name, p] with p > 0")
+            _fail("mapping", o["mapping"], choices(es.MAPPINGS) + ", or [name, p] with p > 0")
         if o["reduction"] not in es.REDUCTIONS:
-            _fail("reduction", o["reduction"], " | ".join(map(repr, es.REDUCTIONS)))
+            _fail("reduction", o["reduction"], choices(es.REDUCTIONS))
         if not isinstance(o["nonnegative"], bool):
             _fail("nonnegative", o["nonnegative"], "True | False")
         if o["gauge"] == "auto":
             pass
         elif o["gauge"] not in GAUGES:
-            _fail("gauge", o["gauge"], "'auto' | " + " | ".join(map(repr, GAUGES)))
+            _fail("gauge", o["gauge"], "'auto' | " + choices(GAUGES))
         elif o["gauge"] == "block_identity" and o["network"] == "cp":
             _fail("gauge", o["gauge"], "'auto' | None | 'canonical' for network 'cp' (CP has only a scaling gauge)")
         if o["fold"] is not None and (not isinstance(o["fold"], (list, tuple)) or not o["fold"]
-                                      or not all(_int(s, 1) for s in o["fold"])):
+                                      or not all(is_int(s, 1) for s in o["fold"])):
             _fail("fold", o["fold"], "None or a list of ints >= 1 whose product is the matrix's size")
         if o["fold"] is not None:
             o["fold"] = list(o["fold"])
             if o["network"] == "svd" and len(o["fold"]) != 2:
                 _fail("fold", o["fold"], "None or two ints for network 'svd'")
         if o["factor_dtype"] not in FACTOR_DTYPES:
-            _fail("factor_dtype", o["factor_dtype"], " | ".join(map(repr, FACTOR_DTYPES)))
+            _fail("factor_dtype", o["factor_dtype"], choices(FACTOR_DTYPES))
         for key, lo in (("steps", 0), ("n_iter_max", 1)):
-            if not _int(o[key], lo):
+            if not is_int(o[key], lo):
                 _fail(key, o[key], f"an int >= {lo}")
         for key in ("lr", "tol", "alpha"):
             if isinstance(o[key], bool) or not isinstance(o[key], (int, float)) or not o[key] > 0:
@@ -110,7 +106,7 @@ class EinSort(Method):
 
     def validate_rank(self, rank, options):
         if isinstance(rank, (list, tuple)):
-            if not rank or not all(_int(r, 1) for r in rank):
+            if not rank or not all(is_int(r, 1) for r in rank):
                 _fail("rank", rank, "an int >= 1, a float byte fraction in (0, 1], or a list of bond ranks >= 1")
             return list(rank)
         return super().validate_rank(rank, options)

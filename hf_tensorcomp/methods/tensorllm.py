@@ -26,17 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from ..config import _fail
+from ..config import _fail, is_int
 from ..decompositions import relative_error, tucker_hooi
 from ..layers import HeadTuckerFactors, HeadTuckerProjection
-from .base import Method, register_method
+from .base import Method, check_solver_options, register_method
 
 ROLE_OF = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
 CONTAINER = "tensorllm_factors"
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def attention_shape(cfg) -> tuple[int, int, int, int]:
@@ -108,21 +104,14 @@ class TensorLLM(Method):
                   f"got ratio={o['ratio']!r}")
         if o["ranks"] is not None:
             r = o["ranks"]
-            if not isinstance(r, (list, tuple)) or len(r) != 3 or not all(_is_int(x) and x >= 1 for x in r):
+            if not isinstance(r, (list, tuple)) or len(r) != 3 or not all(is_int(x, 1) for x in r):
                 _fail("ranks", r, "three ints >= 1 (R1 for d_model, R2 for head_dim, R3 for the Q/K/V/O mode)")
             o["ranks"] = list(r)
         if o["ratio"] is not None:
             if not isinstance(o["ratio"], (int, float)) or isinstance(o["ratio"], bool) or not o["ratio"] > 1:
                 _fail("ratio", o["ratio"], "a number > 1 (original attention parameters / compressed)")
             o["ratio"] = float(o["ratio"])
-        if not _is_int(o["n_iter_max"]) or o["n_iter_max"] < 1:
-            _fail("n_iter_max", o["n_iter_max"], "an int >= 1")
-        if not isinstance(o["tol"], (int, float)) or isinstance(o["tol"], bool) or not o["tol"] > 0:
-            _fail("tol", o["tol"], "a number > 0")
-        if o["init"] not in ("svd", "random"):
-            _fail("init", o["init"], "'svd' | 'random'")
-        if not _is_int(o["seed"]):
-            _fail("seed", o["seed"], "an int")
+        check_solver_options(o)
         return o
 
     def validate_rank(self, rank, options):

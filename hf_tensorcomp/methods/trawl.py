@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import _fail
+from ..config import _fail, choices, is_int
 from ..decompositions import cp_als, relative_error, tucker_hooi
 from ..layers import SharedFactors, TensorSlice
-from .base import Method, register_method
+from .base import Method, check_solver_options, register_method
 
 DECOMPOSITIONS = ("cp", "tucker")
 GROUPS = {"qkvo": ("self_attn.*_proj",), "fc": ("mlp.*",)}
@@ -82,24 +82,17 @@ class Trawl(Method):
     def validate_options(self, options):
         o = super().validate_options(options)
         if o["decomposition"] not in DECOMPOSITIONS:
-            _fail("decomposition", o["decomposition"], " | ".join(map(repr, DECOMPOSITIONS)))
+            _fail("decomposition", o["decomposition"], choices(DECOMPOSITIONS))
         if o["group"] not in GROUPS:
-            _fail("group", o["group"], " | ".join(map(repr, GROUPS)))
+            _fail("group", o["group"], choices(GROUPS))
         if o["formulation"] not in FORMULATIONS:
-            _fail("formulation", o["formulation"], " | ".join(map(repr, FORMULATIONS)))
-        if not isinstance(o["n_iter_max"], int) or isinstance(o["n_iter_max"], bool) or o["n_iter_max"] < 1:
-            _fail("n_iter_max", o["n_iter_max"], "an int >= 1")
-        if not isinstance(o["tol"], (int, float)) or isinstance(o["tol"], bool) or not o["tol"] > 0:
-            _fail("tol", o["tol"], "a number > 0")
-        if o["init"] not in ("svd", "random"):
-            _fail("init", o["init"], "'svd' | 'random'")
-        if not isinstance(o["seed"], int) or isinstance(o["seed"], bool):
-            _fail("seed", o["seed"], "an int")
+            _fail("formulation", o["formulation"], choices(FORMULATIONS))
+        check_solver_options(o)
         return o
 
     def validate_rank(self, rank, options):
         if options["decomposition"] == "tucker" and isinstance(rank, (list, tuple)):
-            if len(rank) != 3 or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rank):
+            if len(rank) != 3 or not all(is_int(r, 1) for r in rank):
                 _fail("rank", rank, "for Tucker: an int, a float in (0, 1], or three ints >= 1 (R0, R1, R2)")
             return list(rank)
         return super().validate_rank(rank, options)
