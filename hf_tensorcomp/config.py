@@ -23,66 +23,31 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .methods import get_method
+from .validation import fail
+
 QUANT_METHOD = "tensorcomp"
 FORMAT_VERSION = 1
 MODES = ("factorized", "dense")
 ENTRY_FIELDS = ("method", "rank", "targets", "layers", "mode")
 
 
-def _fail(field: str, got: Any, allowed: str) -> None:
-    raise ValueError(f"TensorCompressionConfig.{field}: got {got!r}; allowed: {allowed}")
-
-
-def is_int(x: Any, lo: int | None = None) -> bool:
-    """An int (not a bool), at least `lo` if given."""
-    return isinstance(x, int) and not isinstance(x, bool) and (lo is None or x >= lo)
-
-
-def choices(allowed) -> str:
-    """The "allowed" text of an error for a field that takes one of `allowed`."""
-    return " | ".join(map(repr, allowed))
-
-
-def validate_rank(rank: Any, field: str = "rank") -> int | float:
-    """An int >= 1 (absolute rank) or a float in (0, 1] (fraction of the full rank)."""
-    if isinstance(rank, bool):
-        _fail(field, rank, "an int >= 1 or a float in (0, 1]")
-    if isinstance(rank, int):
-        if rank < 1:
-            _fail(field, rank, "an int >= 1 or a float in (0, 1]")
-        return rank
-    if isinstance(rank, float):
-        if not 0.0 < rank <= 1.0:
-            _fail(field, rank, "an int >= 1 or a float in (0, 1]")
-        return rank
-    _fail(field, rank, "an int >= 1 or a float in (0, 1]")
-
-
-def resolve_rank(rank: int | float, full: int) -> int:
-    """Turn a validated rank (int, or fraction of `full`) into an int in [1, full]."""
-    if isinstance(rank, float):
-        return max(1, min(full, round(rank * full)))
-    return rank
-
-
 class Entry:
     """One method applied to one group of modules. Built and validated by `TensorCompressionConfig`."""
 
     def __init__(self, method: str, rank=None, targets=None, layers=None, mode="factorized", **options):
-        from .methods import get_method  # late: methods import layers, which import torch
-
         m = get_method(method)  # raises on unknown method
         self.method = method
         self.mode = mode
         if mode not in MODES:
-            _fail("mode", mode, " | ".join(repr(x) for x in MODES))
+            fail("mode", mode, " | ".join(repr(x) for x in MODES))
         options = m.validate_options(options)
         if targets is None:
             targets = list(m.targets_for(options))
         if isinstance(targets, str):
             targets = [targets]
         if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
-            _fail("targets", targets, "a non-empty list of module-name patterns such as ['mlp.*', 'self_attn.q_proj']")
+            fail("targets", targets, "a non-empty list of module-name patterns such as ['mlp.*', 'self_attn.q_proj']")
         self.targets = list(targets)
         if layers is not None:
             if isinstance(layers, int) and not isinstance(layers, bool):
@@ -92,7 +57,7 @@ class Entry:
                 or not layers
                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
             ):
-                _fail("layers", layers, "None (all layers) or a non-empty list of ints (negatives count from the end)")
+                fail("layers", layers, "None (all layers) or a non-empty list of ints (negatives count from the end)")
             layers = list(layers)
         self.layers = layers
         self.rank = m.validate_rank(m.default_rank if rank is None else rank, options) if m.uses_rank else rank
@@ -137,9 +102,9 @@ class TensorCompressionConfig(QuantizationConfigMixin):
     ):
         self.quant_method = QUANT_METHOD
         if quant_method != QUANT_METHOD:
-            _fail("quant_method", quant_method, repr(QUANT_METHOD))
+            fail("quant_method", quant_method, repr(QUANT_METHOD))
         if format_version != FORMAT_VERSION:
-            _fail("format_version", format_version, f"{FORMAT_VERSION} (this hf_tensorcomp release)")
+            fail("format_version", format_version, f"{FORMAT_VERSION} (this hf_tensorcomp release)")
         if entries is not None:
             if method is not None or rank is not None or targets is not None or layers is not None or options:
                 raise ValueError(
@@ -147,14 +112,14 @@ class TensorCompressionConfig(QuantizationConfigMixin):
                     "(method, rank, targets, layers, options), not both"
                 )
             if not isinstance(entries, (list, tuple)) or not entries:
-                _fail("entries", entries, "a non-empty list of dicts, each with a 'method' key")
+                fail("entries", entries, "a non-empty list of dicts, each with a 'method' key")
             built = []
             for i, e in enumerate(entries):
                 if isinstance(e, Entry):
                     built.append(e)
                     continue
                 if not isinstance(e, dict) or "method" not in e:
-                    _fail(f"entries[{i}]", e, "a dict with a 'method' key")
+                    fail(f"entries[{i}]", e, "a dict with a 'method' key")
                 e = dict(e)
                 e.setdefault("mode", mode)
                 built.append(Entry(**e))
@@ -162,10 +127,10 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         else:
             self.entries = [Entry(method or "laser", rank=rank, targets=targets, layers=layers, mode=mode, **options)]
         if not isinstance(progress, bool):
-            _fail("progress", progress, "True | False")
+            fail("progress", progress, "True | False")
         self.progress = progress
         if compressed_modules is not None and not isinstance(compressed_modules, dict):
-            _fail("compressed_modules", compressed_modules, "a dict {module name: layer spec} written by hf_tensorcomp")
+            fail("compressed_modules", compressed_modules, "a dict {module name: layer spec} written by hf_tensorcomp")
         self.compressed_modules = dict(compressed_modules or {})
         self.stats = dict(stats or {})
         self.format_version = FORMAT_VERSION

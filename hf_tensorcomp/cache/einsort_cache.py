@@ -54,7 +54,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..config import is_int
+from ..validation import is_int
 from ..decompositions import einsort
 from ..decompositions.tensor_networks import BLOCK_IDENTITY_NETWORKS, GAUGES, NETWORKS
 
@@ -63,7 +63,7 @@ SORT_SPANS = ("segment", "token", "channel")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _fail(field: str, got, allowed: str):
+def fail(field: str, got, allowed: str):
     raise ValueError(f"EinSortCache.{field}: got {got!r}; allowed: {allowed}")
 
 
@@ -90,45 +90,45 @@ class EinSortCacheSettings:
               nonnegative=True, mapping=("pow", 0.5), reduction="prod", gauge="auto", dtype=None, steps=0,
               n_iter_max=100) -> "EinSortCacheSettings":
         if network not in NETWORKS:
-            _fail("network", network, " | ".join(map(repr, NETWORKS)))
+            fail("network", network, " | ".join(map(repr, NETWORKS)))
         if is_int(rank):
             if rank < 1:
-                _fail("rank", rank, "an int >= 1 (every bond, capped at the full rank) or a float byte fraction in (0, 1]")
+                fail("rank", rank, "an int >= 1 (every bond, capped at the full rank) or a float byte fraction in (0, 1]")
         elif isinstance(rank, float):
             if not 0.0 < rank <= 1.0:
-                _fail("rank", rank, "an int >= 1 or a float byte fraction in (0, 1] (of each segment's dense bytes)")
+                fail("rank", rank, "an int >= 1 or a float byte fraction in (0, 1] (of each segment's dense bytes)")
         else:
-            _fail("rank", rank, "an int >= 1 or a float byte fraction in (0, 1]")
+            fail("rank", rank, "an int >= 1 or a float byte fraction in (0, 1]")
         if not is_int(segment) or segment < 1:
-            _fail("segment", segment, "an int >= 1 (tokens per compressed segment)")
+            fail("segment", segment, "an int >= 1 (tokens per compressed segment)")
         if not is_int(residual) or residual < 0:
-            _fail("residual", residual, "an int >= 0 (tokens always kept in full precision)")
+            fail("residual", residual, "an int >= 0 (tokens always kept in full precision)")
         if sort not in SORTS:
-            _fail("sort", sort, "'shared' (one permutation shared over KV heads) | 'full' (one per head) | None")
+            fail("sort", sort, "'shared' (one permutation shared over KV heads) | 'full' (one per head) | None")
         if sort_span not in SORT_SPANS:
-            _fail("sort_span", sort_span, "'segment' (a head's tokens x head_dim entries) | 'token' (each token's "
+            fail("sort_span", sort_span, "'segment' (a head's tokens x head_dim entries) | 'token' (each token's "
                   "head_dim entries) | 'channel' (each head_dim channel's tokens)")
         if not isinstance(nonnegative, bool):
-            _fail("nonnegative", nonnegative, "True | False")
+            fail("nonnegative", nonnegative, "True | False")
         try:
             mapping = einsort.parse_mapping(mapping)
         except ValueError as e:
-            _fail("mapping", mapping, str(e).split("allowed: ", 1)[-1])
+            fail("mapping", mapping, str(e).split("allowed: ", 1)[-1])
         if reduction not in einsort.REDUCTIONS:
-            _fail("reduction", reduction, " | ".join(map(repr, einsort.REDUCTIONS)))
+            fail("reduction", reduction, " | ".join(map(repr, einsort.REDUCTIONS)))
         if gauge == "auto":
             gauge = "block_identity" if network in BLOCK_IDENTITY_NETWORKS else "canonical"
         if gauge not in GAUGES:
-            _fail("gauge", gauge, "'auto' | " + " | ".join(map(repr, GAUGES)))
+            fail("gauge", gauge, "'auto' | " + " | ".join(map(repr, GAUGES)))
         if gauge == "block_identity" and network not in BLOCK_IDENTITY_NETWORKS:
-            _fail("gauge", gauge, f"'auto', None or 'canonical' for network {network!r} "
+            fail("gauge", gauge, f"'auto', None or 'canonical' for network {network!r} "
                   f"('block_identity' needs one of {', '.join(BLOCK_IDENTITY_NETWORKS)})")
         if dtype is not None and dtype not in _FLOAT_DTYPES:
-            _fail("dtype", dtype, "None (the states' dtype) | " + " | ".join(map(str, _FLOAT_DTYPES)))
+            fail("dtype", dtype, "None (the states' dtype) | " + " | ".join(map(str, _FLOAT_DTYPES)))
         if not is_int(steps) or steps < 0:
-            _fail("steps", steps, "an int >= 0 (Adam refinement steps per segment)")
+            fail("steps", steps, "an int >= 0 (Adam refinement steps per segment)")
         if not is_int(n_iter_max) or n_iter_max < 1:
-            _fail("n_iter_max", n_iter_max, "an int >= 1 (CP-ALS / HOOI iterations)")
+            fail("n_iter_max", n_iter_max, "an int >= 1 (CP-ALS / HOOI iterations)")
         return cls(network=network, rank=rank, segment=segment, residual=residual, sort=sort, sort_span=sort_span,
                    nonnegative=nonnegative, mapping=mapping, reduction=reduction, gauge=gauge, dtype=dtype,
                    steps=steps, n_iter_max=n_iter_max)
@@ -185,7 +185,7 @@ def compress_segment(x: torch.Tensor, settings: EinSortCacheSettings) -> PackedS
         rank = einsort.rank_for_budget(int(rank * dense), settings.network, fold, settings.gauge, factor_dtype, overhead)
         if rank is None:
             least = overhead + einsort.network_bytes(settings.network, fold, 1, settings.gauge, factor_dtype)
-            _fail("rank", settings.rank, f"a byte fraction >= {least / dense:.4f} for this segment: the permutation and "
+            fail("rank", settings.rank, f"a byte fraction >= {least / dense:.4f} for this segment: the permutation and "
                   f"sign bits alone take {overhead} of its {dense} dense bytes")
     approx = einsort.fit(sorted_view, settings.network, rank, sort_axis=sort_axis, reduce_over=reduce_over,
                          mapping=settings.mapping, reduction=settings.reduction, nonnegative=settings.nonnegative,
@@ -390,7 +390,7 @@ class EinSortCache(Cache):
             super().__init__(layer_class_to_replicate=functools.partial(EinSortLayer, self.settings))
             return
         if not hasattr(config, "get_text_config"):
-            _fail("config", type(config).__name__, "a transformers PreTrainedConfig (model.config) or None")
+            fail("config", type(config).__name__, "a transformers PreTrainedConfig (model.config) or None")
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         layers = []
         for layer_type, kwargs in zip(layer_types, per_layer_kwargs):

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from ..config import _fail, is_int, validate_rank
+from ..validation import fail, is_int, validate_rank
 
 METHODS: dict[str, "Method"] = {}
 
@@ -29,13 +29,13 @@ def register_method(cls):
 def check_solver_options(o: dict) -> None:
     """The iterative-solver options TRAWL and TensorLLM share (tensorly CP-ALS / HOOI)."""
     if not is_int(o["n_iter_max"], 1):
-        _fail("n_iter_max", o["n_iter_max"], "an int >= 1")
+        fail("n_iter_max", o["n_iter_max"], "an int >= 1")
     if not isinstance(o["tol"], (int, float)) or isinstance(o["tol"], bool) or not o["tol"] > 0:
-        _fail("tol", o["tol"], "a number > 0")
+        fail("tol", o["tol"], "a number > 0")
     if o["init"] not in ("svd", "random"):
-        _fail("init", o["init"], "'svd' | 'random'")
+        fail("init", o["init"], "'svd' | 'random'")
     if not is_int(o["seed"]):
-        _fail("seed", o["seed"], "an int")
+        fail("seed", o["seed"], "an int")
 
 
 def get_method(name: Any) -> "Method":

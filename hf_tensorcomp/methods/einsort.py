@@ -32,7 +32,7 @@ import os
 import torch
 from torch import nn
 
-from ..config import _fail, choices, is_int
+from ..validation import fail, choices, is_int
 from ..decompositions import einsort as es
 from ..decompositions.tensor_networks import GAUGES, NETWORKS, bond_ranks
 from ..layers.einsort_linear import EinSortLinear
@@ -58,47 +58,47 @@ class EinSort(Method):
     def validate_options(self, options):
         o = super().validate_options(options)
         if o["network"] not in NETWORKS:
-            _fail("network", o["network"], choices(NETWORKS))
+            fail("network", o["network"], choices(NETWORKS))
         if o["sort"] not in SORTS:
-            _fail("sort", o["sort"], choices(SORTS))
+            fail("sort", o["sort"], choices(SORTS))
         if not is_int(o["group"], 1):
-            _fail("group", o["group"], "an int >= 1 (rows sharing one permutation)")
+            fail("group", o["group"], "an int >= 1 (rows sharing one permutation)")
         if o["sort_dim"] not in SORT_DIMS:
-            _fail("sort_dim", o["sort_dim"], choices(SORT_DIMS))
+            fail("sort_dim", o["sort_dim"], choices(SORT_DIMS))
         try:
             o["mapping"] = list(es.parse_mapping(o["mapping"]))
         except ValueError:
-            _fail("mapping", o["mapping"], choices(es.MAPPINGS) + ", or [name, p] with p > 0")
+            fail("mapping", o["mapping"], choices(es.MAPPINGS) + ", or [name, p] with p > 0")
         if o["reduction"] not in es.REDUCTIONS:
-            _fail("reduction", o["reduction"], choices(es.REDUCTIONS))
+            fail("reduction", o["reduction"], choices(es.REDUCTIONS))
         if not isinstance(o["nonnegative"], bool):
-            _fail("nonnegative", o["nonnegative"], "True | False")
+            fail("nonnegative", o["nonnegative"], "True | False")
         if o["gauge"] == "auto":
             pass
         elif o["gauge"] not in GAUGES:
-            _fail("gauge", o["gauge"], "'auto' | " + choices(GAUGES))
+            fail("gauge", o["gauge"], "'auto' | " + choices(GAUGES))
         elif o["gauge"] == "block_identity" and o["network"] == "cp":
-            _fail("gauge", o["gauge"], "'auto' | None | 'canonical' for network 'cp' (CP has only a scaling gauge)")
+            fail("gauge", o["gauge"], "'auto' | None | 'canonical' for network 'cp' (CP has only a scaling gauge)")
         if o["fold"] is not None and (not isinstance(o["fold"], (list, tuple)) or not o["fold"]
                                       or not all(is_int(s, 1) for s in o["fold"])):
-            _fail("fold", o["fold"], "None or a list of ints >= 1 whose product is the matrix's size")
+            fail("fold", o["fold"], "None or a list of ints >= 1 whose product is the matrix's size")
         if o["fold"] is not None:
             o["fold"] = list(o["fold"])
             if o["network"] == "svd" and len(o["fold"]) != 2:
-                _fail("fold", o["fold"], "None or two ints for network 'svd'")
+                fail("fold", o["fold"], "None or two ints for network 'svd'")
         if o["factor_dtype"] not in FACTOR_DTYPES:
-            _fail("factor_dtype", o["factor_dtype"], choices(FACTOR_DTYPES))
+            fail("factor_dtype", o["factor_dtype"], choices(FACTOR_DTYPES))
         for key, lo in (("steps", 0), ("n_iter_max", 1)):
             if not is_int(o[key], lo):
-                _fail(key, o[key], f"an int >= {lo}")
+                fail(key, o[key], f"an int >= {lo}")
         for key in ("lr", "tol", "alpha"):
             if isinstance(o[key], bool) or not isinstance(o[key], (int, float)) or not o[key] > 0:
-                _fail(key, o[key], "a number > 0")
+                fail(key, o[key], "a number > 0")
         if not isinstance(o["seed"], int) or isinstance(o["seed"], bool):
-            _fail("seed", o["seed"], "an int")
+            fail("seed", o["seed"], "an int")
         path = o["activation_scales"]
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path)):
-            _fail("activation_scales", path, "None or the path of an existing safetensors file of per-module scales "
+            fail("activation_scales", path, "None or the path of an existing safetensors file of per-module scales "
                   "(hf_tensorcomp.methods.einsort.save_activation_scales)")
         if path is not None:
             o["activation_scales"] = str(path)
@@ -107,7 +107,7 @@ class EinSort(Method):
     def validate_rank(self, rank, options):
         if isinstance(rank, (list, tuple)):
             if not rank or not all(is_int(r, 1) for r in rank):
-                _fail("rank", rank, "an int >= 1, a float byte fraction in (0, 1], or a list of bond ranks >= 1")
+                fail("rank", rank, "an int >= 1, a float byte fraction in (0, 1], or a list of bond ranks >= 1")
             return list(rank)
         return super().validate_rank(rank, options)
 
@@ -139,12 +139,12 @@ class EinSort(Method):
             where = f"{ctx.prefix}.{name} ({mod.out_features}x{mod.in_features})"
             lay = self._layout(mod.out_features, mod.in_features, o)
             if lay["shape"] is None or lay["fold"] is None:
-                _fail("group", o["group"], f"a divisor of {lay['rows']} (the rows of {where} that are sorted)")
+                fail("group", o["group"], f"a divisor of {lay['rows']} (the rows of {where} that are sorted)")
             if math.prod(lay["fold"]) != lay["rows"] * lay["cols"]:
-                _fail("fold", o["fold"], f"a shape with {lay['rows'] * lay['cols']} entries for {where}")
+                fail("fold", o["fold"], f"a shape with {lay['rows'] * lay['cols']} entries for {where}")
             full = min(mod.out_features, mod.in_features)
             if o["network"] == "svd" and isinstance(entry.rank, int) and entry.rank > full:
-                _fail("rank", entry.rank, f"an int in [1, {full}] for {where}, or a float byte fraction in (0, 1]")
+                fail("rank", entry.rank, f"an int in [1, {full}] for {where}, or a float byte fraction in (0, 1]")
             if isinstance(entry.rank, list):
                 bond_ranks(o["network"], lay["fold"], entry.rank)  # raises on a wrong count
             if isinstance(entry.rank, float):
@@ -154,7 +154,7 @@ class EinSort(Method):
                 over += mod.in_features * torch.empty(0, dtype=fdtype).element_size() if o["activation_scales"] else 0
                 if es.rank_for_budget(int(entry.rank * dense), o["network"], lay["fold"], lay["gauge"], fdtype, over) is None:
                     least = (over + es.network_bytes(o["network"], lay["fold"], 1, lay["gauge"], fdtype)) / dense
-                    _fail("rank", entry.rank, f"a byte fraction >= {least:.3f} for {where} with sort={o['sort']!r}: the "
+                    fail("rank", entry.rank, f"a byte fraction >= {least:.3f} for {where} with sort={o['sort']!r}: the "
                           f"permutation{' and sign' if o['nonnegative'] else ''} bits alone take {over / dense:.3f} of its dense bytes")
 
     def compress(self, modules, entry, ctx):

@@ -7,7 +7,7 @@ U_r S_r V_r^T; ``rank`` is an int, or a float fraction of min(out, in) resolved 
 
 from __future__ import annotations
 
-from ..config import resolve_rank
+from ..validation import resolve_rank
 from ..decompositions import relative_error, truncated_svd
 from ..layers import LowRankLinear
 from .base import Method, register_method

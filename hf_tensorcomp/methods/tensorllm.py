@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import _fail, is_int
+from ..validation import fail, is_int
 from ..decompositions import relative_error, tucker_hooi
 from ..layers import HeadTuckerFactors, HeadTuckerProjection
 from .base import Method, check_solver_options, register_method
@@ -100,23 +100,23 @@ class TensorLLM(Method):
     def validate_options(self, options):
         o = super().validate_options(options)
         if (o["ranks"] is None) == (o["ratio"] is None):
-            _fail("ranks", o["ranks"], "exactly one of ranks=(R1, R2, R3) and ratio=<compression rate > 1>; "
+            fail("ranks", o["ranks"], "exactly one of ranks=(R1, R2, R3) and ratio=<compression rate > 1>; "
                   f"got ratio={o['ratio']!r}")
         if o["ranks"] is not None:
             r = o["ranks"]
             if not isinstance(r, (list, tuple)) or len(r) != 3 or not all(is_int(x, 1) for x in r):
-                _fail("ranks", r, "three ints >= 1 (R1 for d_model, R2 for head_dim, R3 for the Q/K/V/O mode)")
+                fail("ranks", r, "three ints >= 1 (R1 for d_model, R2 for head_dim, R3 for the Q/K/V/O mode)")
             o["ranks"] = list(r)
         if o["ratio"] is not None:
             if not isinstance(o["ratio"], (int, float)) or isinstance(o["ratio"], bool) or not o["ratio"] > 1:
-                _fail("ratio", o["ratio"], "a number > 1 (original attention parameters / compressed)")
+                fail("ratio", o["ratio"], "a number > 1 (original attention parameters / compressed)")
             o["ratio"] = float(o["ratio"])
         check_solver_options(o)
         return o
 
     def validate_rank(self, rank, options):
         if rank is not None:
-            _fail("rank", rank, "None for tensorllm: give ranks=(R1, R2, R3) or ratio=<compression rate>")
+            fail("rank", rank, "None for tensorllm: give ranks=(R1, R2, R3) or ratio=<compression rate>")
         return None
 
     def _layers(self, modules) -> dict[str, dict[str, str]]:
@@ -126,7 +126,7 @@ class TensorLLM(Method):
             layer, _, rest = name.partition(".")
             leaf = rest.rpartition(".")[2]
             if leaf not in ROLE_OF:
-                _fail("targets", rest, "attention projections named q_proj, k_proj, v_proj, o_proj (a subset of them)")
+                fail("targets", rest, "attention projections named q_proj, k_proj, v_proj, o_proj (a subset of them)")
             out.setdefault(layer, {})[ROLE_OF[leaf]] = name
         return {k: {r: v[r] for r in "qkvo" if r in v} for k, v in out.items()}
 

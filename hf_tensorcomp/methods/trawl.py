@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import _fail, choices, is_int
+from ..validation import fail, choices, is_int
 from ..decompositions import cp_als, relative_error, tucker_hooi
 from ..layers import SharedFactors, TensorSlice
 from .base import Method, check_solver_options, register_method
@@ -82,18 +82,18 @@ class Trawl(Method):
     def validate_options(self, options):
         o = super().validate_options(options)
         if o["decomposition"] not in DECOMPOSITIONS:
-            _fail("decomposition", o["decomposition"], choices(DECOMPOSITIONS))
+            fail("decomposition", o["decomposition"], choices(DECOMPOSITIONS))
         if o["group"] not in GROUPS:
-            _fail("group", o["group"], choices(GROUPS))
+            fail("group", o["group"], choices(GROUPS))
         if o["formulation"] not in FORMULATIONS:
-            _fail("formulation", o["formulation"], choices(FORMULATIONS))
+            fail("formulation", o["formulation"], choices(FORMULATIONS))
         check_solver_options(o)
         return o
 
     def validate_rank(self, rank, options):
         if options["decomposition"] == "tucker" and isinstance(rank, (list, tuple)):
             if len(rank) != 3 or not all(is_int(r, 1) for r in rank):
-                _fail("rank", rank, "for Tucker: an int, a float in (0, 1], or three ints >= 1 (R0, R1, R2)")
+                fail("rank", rank, "for Tucker: an int, a float in (0, 1], or three ints >= 1 (R0, R1, R2)")
             return list(rank)
         return super().validate_rank(rank, options)
 
