@@ -24,18 +24,21 @@ from typing import Any
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .methods import get_method
-from .validation import fail
+from .calibration.data import describe, validate_calibration
+from .validation import fail, is_int
 
 QUANT_METHOD = "tensorcomp"
 FORMAT_VERSION = 1
 MODES = ("factorized", "dense")
-ENTRY_FIELDS = ("method", "rank", "targets", "layers", "mode")
+ENTRY_FIELDS = ("method", "rank", "target", "targets", "layers", "mode")
+CALIBRATION_DEFAULTS = {"calibration_samples": 32, "calibration_length": 256, "calibration_batch_size": 8,
+                        "calibration_seed": 0, "propagate": True}
 
 
 class Entry:
     """One method applied to one group of modules. Built and validated by `TensorCompressionConfig`."""
 
-    def __init__(self, method: str, rank=None, targets=None, layers=None, mode="factorized", **options):
+    def __init__(self, method: str, rank=None, targets=None, layers=None, mode="factorized", target=None, **options):
         m = get_method(method)  # raises on unknown method
         self.method = method
         self.mode = mode
@@ -60,11 +63,21 @@ class Entry:
                 fail("layers", layers, "None (all layers) or a non-empty list of ints (negatives count from the end)")
             layers = list(layers)
         self.layers = layers
-        self.rank = m.validate_rank(m.default_rank if rank is None else rank, options) if m.uses_rank else rank
+        if target is not None:
+            if rank is not None:
+                fail("target", target, "either rank= (per matrix) or target= (a budget for all the targeted modules), not both")
+            target = m.validate_target(target, options)
+        self.target = target
+        if target is None:
+            self.rank = m.validate_rank(m.default_rank if rank is None else rank, options) if m.uses_rank else rank
+        else:
+            self.rank = None
         self.options = options
 
     def to_dict(self) -> dict:
         d = {"method": self.method, "rank": self.rank, "targets": self.targets, "layers": self.layers, "mode": self.mode}
+        if self.target is not None:
+            d["target"] = self.target
         d.update(copy.deepcopy(self.options))
         return d
 
@@ -89,11 +102,19 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         self,
         method: str | None = None,
         rank: int | float | None = None,
+        target: float | None = None,
         targets: list[str] | str | None = None,
         layers: list[int] | int | None = None,
         mode: str = "factorized",
         entries: list | None = None,
         progress: bool = True,
+        calibration=None,
+        calibration_samples: int = 32,
+        calibration_length: int = 256,
+        calibration_batch_size: int = 8,
+        calibration_seed: int = 0,
+        propagate: bool = True,
+        calibration_tokenizer=None,
         compressed_modules: dict | None = None,
         stats: dict | None = None,
         format_version: int = FORMAT_VERSION,
@@ -106,7 +127,7 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         if format_version != FORMAT_VERSION:
             fail("format_version", format_version, f"{FORMAT_VERSION} (this hf_tensorcomp release)")
         if entries is not None:
-            if method is not None or rank is not None or targets is not None or layers is not None or options:
+            if method is not None or rank is not None or target is not None or targets is not None or layers is not None or options:
                 raise ValueError(
                     "TensorCompressionConfig: pass either `entries=[...]` or the single-entry fields "
                     "(method, rank, targets, layers, options), not both"
@@ -125,10 +146,27 @@ class TensorCompressionConfig(QuantizationConfigMixin):
                 built.append(Entry(**e))
             self.entries = built
         else:
-            self.entries = [Entry(method or "laser", rank=rank, targets=targets, layers=layers, mode=mode, **options)]
+            self.entries = [Entry(method or "laser", rank=rank, target=target, targets=targets, layers=layers, mode=mode, **options)]
         if not isinstance(progress, bool):
             fail("progress", progress, "True | False")
         self.progress = progress
+        self.calibration = validate_calibration(calibration)
+        for field, lo in (("calibration_samples", 1), ("calibration_length", 2), ("calibration_batch_size", 1)):
+            if not is_int(locals()[field], lo):
+                fail(field, locals()[field], f"an int >= {lo}")
+        if not is_int(calibration_seed):
+            fail("calibration_seed", calibration_seed, "an int")
+        if not isinstance(propagate, bool):
+            fail("propagate", propagate, "True | False")
+        self.calibration_samples, self.calibration_length = calibration_samples, calibration_length
+        self.calibration_batch_size, self.calibration_seed, self.propagate = calibration_batch_size, calibration_seed, propagate
+        if calibration_tokenizer is not None and not isinstance(calibration_tokenizer, str) and not callable(calibration_tokenizer):
+            fail("calibration_tokenizer", type(calibration_tokenizer).__name__, "None (the model's own), a path, or a tokenizer")
+        self.calibration_tokenizer = calibration_tokenizer  # not saved: only needed while compressing
+        needing = [e.method for e in self.entries if get_method(e.method).needs(e)]
+        if needing and self.calibration is None and not compressed_modules:
+            fail("calibration", None, f"calibration text for {sorted(set(needing))} with these options "
+                 "(e.g. calibration='wikipedia', a list of strings, a datasets.Dataset or token ids)")
         if compressed_modules is not None and not isinstance(compressed_modules, dict):
             fail("compressed_modules", compressed_modules, "a dict {module name: layer spec} written by hf_tensorcomp")
         self.compressed_modules = dict(compressed_modules or {})
@@ -154,6 +192,8 @@ class TensorCompressionConfig(QuantizationConfigMixin):
             "format_version": self.format_version,
             "entries": [e.to_dict() for e in self.entries],
             "progress": self.progress,
+            "calibration": describe(self.calibration),
+            **{k: getattr(self, k) for k in CALIBRATION_DEFAULTS},
             "compressed_modules": copy.deepcopy(self.compressed_modules),
             "stats": copy.deepcopy(self.stats),
         }

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import fnmatch
 import time
+from dataclasses import replace
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .calibration.data import describe
 from .config import TensorCompressionConfig
 from .layers import FactorizedModule, build_from_spec, layer_build_order
 from .methods import get_method
@@ -103,24 +105,62 @@ def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
 def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None) -> dict:
     """Compress in place, one unit of layers at a time (peak memory: the model plus one unit's factors).
 
-    Fills ``config.compressed_modules`` (factored modules) and ``config.stats``.
+    Methods that need data (`Method.needs`) get it from the sequential calibration pipeline
+    (`hf_tensorcomp.calibration`): layer by layer, statistics of the real inputs of the modules they
+    compress, with the outputs of the already compressed layers fed forward (``config.propagate``).
+    Entries with a ``target`` budget that a method allocates globally get their ranks first (from a
+    pass over the dense model when the allocation reads statistics). Fills
+    ``config.compressed_modules`` (factored modules) and ``config.stats``.
     """
     work = plan(model, config) if work is None else work
     prefix, layer_list = find_decoder_layers(model)
     ctx = _context(model)
     params_before = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
+    methods = [get_method(e.method) for e in config.entries]
+    needs = [m.needs(e) for m, e in zip(methods, config.entries)]
+    allocating = [m.allocates(e) for m, e in zip(methods, config.entries)]
+    runner = None
+    if any(needs) or any(a and m.ladder_needs(e) for a, m, e in zip(allocating, methods, config.entries)):
+        from .calibration import LayerwiseRunner, calibration_ids
+
+        ids = calibration_ids(config.calibration, _calibration_tokenizer(model, config), config.calibration_samples,
+                              config.calibration_length, config.calibration_seed)
+        runner = LayerwiseRunner(model, prefix, layer_list, ids, config.calibration_batch_size)
+    allocation = _allocate(config, work, methods, allocating, layer_list, runner)
     module_stats = {}
-    for k, names in tqdm(work, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="unit"):
+
+    def compress_unit(k, names, stats):
         entry = config.entries[k]
+        unit_ctx = replace(ctx, stats=stats, ranks=allocation.get(k, {}).get("rungs"))
         mods = {n: layer_list.get_submodule(n) for n in names}
-        for name, (new, st) in get_method(entry.method).compress(mods, entry, ctx).items():
+        for name, (new, st) in methods[k].compress(mods, entry, unit_ctx).items():
             if entry.mode == "dense":
                 new = new.to_dense()  # None for containers of shared factors: nothing to add
                 if new is None:
                     continue
             _set_module(layer_list, name, new)
             module_stats[f"{prefix}.{name}"] = {"method": entry.method, **st}
+
+    if runner is None:
+        for k, names in tqdm(work, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="unit"):
+            compress_unit(k, names, None)
+    else:
+        by_last: dict[int, list] = {}  # a unit is compressed once its last layer's statistics are in
+        wanted: dict[int, dict[str, frozenset]] = {}
+        for k, names in work:
+            by_last.setdefault(max(_layer_of(n) for n in names), []).append((k, names))
+            for n in names if needs[k] else ():
+                wanted.setdefault(_layer_of(n), {})[n] = needs[k]
+        pending: dict = {}
+
+        def on_layer(li, stats):
+            pending.update(stats)
+            for k, names in by_last.get(li, []):
+                compress_unit(k, names, {n: pending.pop(n) for n in names if n in pending} if needs[k] else None)
+            return li in by_last
+
+        runner.run(wanted, on_layer, last=max(by_last), propagate=config.propagate, progress=config.progress)
     config.compressed_modules = factored_specs(model)
     params_after = sum(p.numel() for p in model.parameters())
     config.stats = {
@@ -129,7 +169,81 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         "compress_seconds": round(time.perf_counter() - t0, 3),
         "modules": module_stats,
     }
+    if runner is not None:
+        config.stats["calibration"] = {"samples": sum(h.shape[0] for h in runner.hidden),
+                                       "tokens": runner.n_tokens, "propagate": config.propagate,
+                                       "data": describe(config.calibration)}
+    if allocation:
+        config.stats["allocation"] = {str(k): {key: v for key, v in a.items() if key != "rungs"} for k, a in allocation.items()}
     return config.stats
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".", 1)[0])
+
+
+def _calibration_tokenizer(model: nn.Module, config: TensorCompressionConfig):
+    """The tokenizer for calibration texts: the config's (object or path), else the model's own folder's."""
+    tok = config.calibration_tokenizer
+    if tok is not None and not isinstance(tok, str):
+        return tok
+    if not isinstance(config.calibration, (str, list)) and not hasattr(config.calibration, "column_names"):
+        return None  # token ids need none
+    if isinstance(config.calibration, list) and config.calibration and not isinstance(config.calibration[0], str):
+        return None
+    from transformers import AutoTokenizer
+
+    src = tok or getattr(model, "name_or_path", None)
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # noqa: BLE001 - any failure means: tell the user how to pass one
+        raise ValueError(f"TensorCompressionConfig.calibration_tokenizer: no tokenizer could be loaded from {src!r} ({e}); "
+                         "allowed: a tokenizer object or path, or token ids as calibration") from None
+
+
+def _allocate(config, work, methods, allocating, layer_list, runner) -> dict[int, dict]:
+    """Per entry with a global `target`: the rung of every module's ladder, meeting the budget."""
+    from .decompositions.allocation import allocate
+
+    out = {}
+    for k, entry in enumerate(config.entries):
+        if not allocating[k]:
+            continue
+        m = methods[k]
+        names = [n for kk, ns in work if kk == k for n in ns]
+        ladders = {}
+        kinds = m.ladder_needs(entry)
+        fisher = {}
+        if "fisher" in kinds:
+            from .calibration.sensitivity import output_fisher
+
+            fisher = output_fisher(runner.model, layer_list, names, runner.ids)
+        if kinds:
+            wanted: dict[int, dict[str, frozenset]] = {}
+            for n in names:
+                wanted.setdefault(_layer_of(n), {})[n] = kinds
+
+            def on_layer(li, stats):
+                for n, st in stats.items():
+                    st.fisher = fisher.get(n)
+                    ladders[n] = m.ladder(n, layer_list.get_submodule(n), st, entry)
+                return False
+
+            runner.run(wanted, on_layer, last=max(wanted), propagate=False, progress=config.progress,
+                       desc=f"hf_tensorcomp: allocating {entry.method} target={entry.target}")
+        else:
+            ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry) for n in names}
+        total = sum(layer_list.get_submodule(n).weight.numel() for n in names)
+        budget = entry.target * total
+        try:
+            rungs = allocate(ladders, budget)
+        except ValueError as e:
+            raise ValueError(f"TensorCompressionConfig.target: got {entry.target}; {e}; allowed: a larger target") from None
+        spent = sum(ladders[n][0][j] for n, j in rungs.items())
+        out[k] = {"rungs": rungs, "target": entry.target, "params_targeted": total, "params_kept": spent,
+                  "kept_fraction": round(spent / total, 6),
+                  "kept_dense": sorted(f"{n}" for n, j in rungs.items() if j == len(ladders[n][0]) - 1)}
+    return out
 
 
 def factored_specs(model: nn.Module) -> dict[str, dict]:

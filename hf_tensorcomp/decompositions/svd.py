@@ -27,3 +27,55 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """||reference - approx||_F / ||reference||_F, in float32, rounded to 6 digits."""
     ref = reference.detach().float()
     return round((torch.linalg.vector_norm(ref - approx.detach().float()) / torch.linalg.vector_norm(ref)).item(), 6)
+
+
+def whitening_factor(gram: torch.Tensor, damping: float = 1e-4) -> torch.Tensor:
+    """Lower-triangular S with S Sᵀ = G + λI (SVD-LLM's whitening), in float64.
+
+    ``G`` is XᵀX of the inputs (in x in). λ = ``damping`` x mean(diag G) keeps S invertible when some
+    channels are (nearly) constant; if the Cholesky still fails λ grows tenfold, up to five times.
+    With ``damping=0`` and a positive definite G, ‖(W - W') S‖_F = ‖(W - W') Xᵀ‖_F exactly.
+    """
+    g = gram.detach().double()
+    scale = g.diagonal().mean().clamp_min(1e-12)
+    eye = torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
+    lam = damping
+    for _ in range(6):
+        s, info = torch.linalg.cholesky_ex(g + lam * scale * eye)
+        if int(info) == 0:
+            return s
+        lam = max(lam * 10, 1e-6)
+    raise ValueError("whitening: the input Gram matrix is not positive definite even with damping "
+                     f"{lam / 10:g} x mean(diag); the calibration text is too short or the inputs are degenerate")
+
+
+def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best rank-`rank` W' for the output error ‖(W - W') Xᵀ‖ (SVD-LLM): SVD of W S, S⁻¹ folded in.
+
+    ``s``: the whitening factor (lower triangular, `whitening_factor`) or, for ASVD, a 1-D vector of
+    per-input-channel scales (diag S). Returns u (out x r), v (r x in) with W' = u @ v — the same
+    shapes, hence the same factored forward cost, as plain `truncated_svd` — and all singular values
+    of W S (float64), whose tail beyond `rank` squared and summed is the whitened truncation loss.
+    """
+    full = min(w.shape)
+    if not 1 <= rank <= full:
+        raise ValueError(f"whitened_svd: rank {rank} outside [1, {full}] for shape {tuple(w.shape)}")
+    wd = w.detach().double()
+    ws = wd * s if s.ndim == 1 else wd @ s
+    U, S, Vh = torch.linalg.svd(ws, full_matrices=False)
+    root = S[:rank].sqrt()
+    u = U[:, :rank] * root
+    b = root[:, None] * Vh[:rank]  # = v S
+    if s.ndim == 1:
+        v = b / s
+    else:  # v = b S⁻¹  <=>  Sᵀ vᵀ = bᵀ
+        v = torch.linalg.solve_triangular(s.T, b.T, upper=True).T
+    return u.float(), v.float(), S
+
+
+def whitened_spectrum(w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """Singular values (float64) of W S (S: whitening factor or 1-D scales; None: of W itself)."""
+    wd = w.detach().double()
+    if s is not None:
+        wd = wd * s if s.ndim == 1 else wd @ s
+    return torch.linalg.svdvals(wd)

@@ -51,6 +51,10 @@ class Context:
     config: Any  # the model's (text) config
     prefix: str  # full name of the decoder-layer list, e.g. "model.layers"
     n_layers: int
+    #: calibration statistics of the unit's modules ({name: ModuleStats}), when the method `needs` any
+    stats: dict | None = None
+    #: ranks chosen by a global `target` budget ({name: rung of the method's `ladder`}), else None
+    ranks: dict | None = None
 
 
 class Method:
@@ -74,6 +78,34 @@ class Method:
 
     def validate_rank(self, rank, options: dict):
         return validate_rank(rank)
+
+    def validate_target(self, target, options: dict):
+        """``target``: the fraction of the targeted modules' parameters (or bytes) kept, in (0, 1)."""
+        if not self.supports_target:
+            fail("target", target, f"None: method {self.name!r} takes no global budget (use its rank options)")
+        if not isinstance(target, (int, float)) or isinstance(target, bool) or not 0 < target < 1:
+            fail("target", target, "a float in (0, 1): the fraction of the targeted modules' parameters kept")
+        return float(target)
+
+    #: whether `target=` (a budget over all targeted modules) is accepted
+    supports_target: bool = False
+
+    def needs(self, entry) -> frozenset:
+        """Calibration statistics (`hf_tensorcomp.calibration.KINDS`) each targeted module must come with."""
+        return frozenset()
+
+    def allocates(self, entry) -> bool:
+        """True when `entry.target` is to be met by a global allocation over `ladder` rungs."""
+        return False
+
+    def ladder_needs(self, entry) -> frozenset:
+        """Statistics the `target` allocation reads (gathered in a first pass over the dense model)."""
+        return frozenset()
+
+    def ladder(self, name: str, module: nn.Module, stats, entry) -> tuple[list[float], list[float]]:
+        """The rungs a `target` allocation may choose from for one module: (costs, losses), see
+        `hf_tensorcomp.decompositions.allocation`. Rung ``j`` is what `compress` receives in ``ctx.ranks``."""
+        raise NotImplementedError
 
     def targets_for(self, options: dict) -> tuple[str, ...]:
         return self.default_targets

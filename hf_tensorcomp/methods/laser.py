@@ -1,16 +1,39 @@
 """LASER: per-matrix truncated SVD on chosen layers and matrix types (layer-selective rank reduction).
 
 Sharma et al., "The Truth is in There" (LASER); the baseline TRAWL and TensorLLM compare with.
-Each targeted ``nn.Linear`` W (out x in) becomes `LowRankLinear` with the best rank-r approximation
-U_r S_r V_r^T; ``rank`` is an int, or a float fraction of min(out, in) resolved per matrix.
+Each targeted ``nn.Linear`` W (out x in) becomes `LowRankLinear` with a rank-r approximation u @ v;
+``rank`` is an int, or a float fraction of min(out, in) resolved per matrix.
+
+Activation-aware (needs ``calibration=``): ``whiten=True`` is SVD-LLM's truncation-aware whitening —
+S = chol(XᵀX + λI), SVD of W S, S⁻¹ folded into the right factor, so the dropped singular values are
+exactly the output error ‖(W - W') Xᵀ‖ on the calibration inputs; ``whiten="asvd"`` scales the input
+channels by mean|x|^alpha instead (ASVD). Both keep the factored forward exactly as cheap as plain SVD.
+
+``target=<fraction>`` instead of ``rank``: the targeted matrices keep that fraction of their weight
+parameters in total. ``allocation="global"`` (default) ranks every matrix against every other by the
+(whitened, if whitening) truncation loss each rank saves per parameter, relative to the matrix's
+output energy, and may keep a matrix dense when factoring would not shrink it; ``"uniform"`` gives
+every matrix the same fraction.
 """
 
 from __future__ import annotations
 
-from ..validation import resolve_rank
+import math
+
 from ..decompositions import relative_error, truncated_svd
+from ..decompositions.svd import whitened_spectrum, whitened_svd, whitening_factor
 from ..layers import LowRankLinear
+from ..validation import choices, fail, resolve_rank
 from .base import Method, register_method
+
+WHITEN = (False, True, "cholesky", "asvd")
+ALLOCATIONS = ("global", "relative", "uniform")
+
+
+def _break_even(lin) -> int:
+    """Smallest rank whose factors are not smaller than the dense matrix."""
+    i, o = lin.in_features, lin.out_features
+    return math.ceil(i * o / (i + o))
 
 
 @register_method
@@ -18,6 +41,31 @@ class Laser(Method):
     name = "laser"
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 0.5
+    supports_target = True
+    option_defaults = {"whiten": False, "alpha": 0.5, "damping": 1e-4, "allocation": "global"}
+
+    def validate_options(self, options):
+        o = super().validate_options(options)
+        if o["whiten"] not in WHITEN:
+            fail("whiten", o["whiten"], "False | True (SVD-LLM: Cholesky of XᵀX) | 'cholesky' (the same) | 'asvd' (mean|x|^alpha)")
+        if o["whiten"] is True:
+            o["whiten"] = "cholesky"
+        for key in ("alpha", "damping"):
+            if not isinstance(o[key], (int, float)) or isinstance(o[key], bool) or not 0 <= o[key] <= 10:
+                fail(key, o[key], "a number in [0, 10]")
+        if o["allocation"] not in ALLOCATIONS:
+            fail("allocation", o["allocation"], choices(ALLOCATIONS))
+        return o
+
+    def needs(self, entry):
+        return frozenset({"cholesky": {"gram"}, "asvd": {"abs_mean"}}.get(entry.options["whiten"], ()))
+
+    def allocates(self, entry):
+        return entry.target is not None and entry.options["allocation"] != "uniform"
+
+    def ladder_needs(self, entry):
+        sensitive = entry.options["allocation"] == "global" and entry.options["whiten"] == "cholesky"
+        return self.needs(entry) | ({"fisher"} if sensitive else set())
 
     def check_unit(self, modules, entry, ctx):
         for name, module in modules.items():
@@ -28,12 +76,47 @@ class Laser(Method):
                     f"{module.in_features}) has full rank {full}; allowed: an int in [1, {full}] or a float in (0, 1]"
                 )
 
+    def _scaling(self, stats, entry):
+        """S of the whitening (a triangular factor, a 1-D scale vector, or None when not whitening)."""
+        how = entry.options["whiten"]
+        if not how:
+            return None
+        if stats is None:
+            raise ValueError(f"TensorCompressionConfig.whiten={how!r} needs calibration statistics; pass calibration=")
+        if how == "cholesky":
+            return whitening_factor(stats.gram, entry.options["damping"])
+        return stats.abs_mean.clamp_min(1e-6).pow(entry.options["alpha"])
+
+    def ladder(self, name, module, stats, entry):
+        sv2 = whitened_spectrum(module.weight, self._scaling(stats, entry)).pow(2)
+        # loss unit: the loss itself (Fisher x squared output error) when known, else the matrix's relative error
+        total = 1.0 / (0.5 * stats.fisher) if getattr(stats, "fisher", None) else float(sv2.sum()) or 1.0
+        tail = (sv2.flip(0).cumsum(0).flip(0) / total).tolist() + [0.0]  # tail[r] = loss at rank r
+        i, o = module.in_features, module.out_features
+        ranks = range(1, _break_even(module))
+        return [r * (i + o) for r in ranks] + [i * o], [tail[r] for r in ranks] + [0.0]
+
     def compress(self, modules, entry, ctx):
         out = {}
         for name, lin in modules.items():
             w = lin.weight
-            r = resolve_rank(entry.rank, min(w.shape))
-            u, v = truncated_svd(w, r)
+            if entry.target is None:
+                r = resolve_rank(entry.rank, min(w.shape))
+            elif ctx.ranks is not None:
+                r = ctx.ranks[name] + 1
+                if r >= _break_even(lin):
+                    continue  # the budget keeps this matrix dense
+            else:  # uniform: every matrix keeps `target` of its parameters
+                r = max(1, math.floor(entry.target * w.numel() / sum(w.shape)))
+            st = (ctx.stats or {}).get(name)
+            s = self._scaling(st, entry)
+            if s is None:
+                u, v = truncated_svd(w, r)
+                extra = {}
+            else:
+                u, v, sv = whitened_svd(w, r, s)
+                sv2 = sv.pow(2)
+                extra = {"rel_output_error": round(float((sv2[r:].sum() / sv2.sum()).sqrt()), 6)} if s.ndim == 2 else {}
             out[name] = (LowRankLinear.from_factors(u, v, lin.bias, dtype=w.dtype),
-                         {"rank": r, "rel_error": relative_error(w, u @ v)})
+                         {"rank": r, "rel_error": relative_error(w, u @ v), **extra})
         return out

@@ -1,0 +1,102 @@
+"""The sequential, layer-by-layer calibration pipeline (the way GPTQ's and llm-compressor's work).
+
+1. The inputs of the first decoder layer are captured once, together with the keyword arguments
+   *every* layer is called with (attention masks and position embeddings: Gemma3's sliding and
+   global layers get different ones), by running the base model with each layer's forward swapped
+   for a recorder that passes its input through (no layer computes; the LM head never runs).
+2. For each layer in turn: hooks gather the statistics the layer's methods asked for while the layer
+   runs over the calibration batches; a callback compresses the layer from them; the layer's outputs
+   are recomputed with the compressed layer and become the next layer's inputs (``propagate=True``:
+   later layers see, and their statistics correct for, earlier errors), or the dense outputs are used
+   (``propagate=False``).
+
+Peak memory: the model, one layer's statistics and two copies of the hidden states of the
+calibration batch (samples x length x hidden, float of the model's dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .stats import ModuleStats, StatsHooks
+
+
+class _Stop(Exception):
+    pass
+
+
+class LayerwiseRunner:
+    """Holds the captured layer inputs and runs the calibration batches through one layer at a time."""
+
+    def __init__(self, model: nn.Module, prefix: str, layers: nn.ModuleList, ids: torch.Tensor, batch_size: int = 8):
+        self.model, self.prefix, self.layers, self.ids = model, prefix, layers, ids
+        base = model.get_submodule(prefix.rpartition(".")[0])  # the decoder stack: embeddings, layers, norm
+        device = next(model.parameters()).device
+        self.hidden: list[torch.Tensor] = []
+        self.kwargs: list[list[dict]] = []  # [batch][layer] -> kwargs of that layer's call
+        for batch in ids.split(batch_size):
+            calls: list[dict] = []
+
+            def recorder(li):
+                def forward(hidden_states, *args, **kwargs):
+                    if args:
+                        raise RuntimeError(f"hf_tensorcomp calibration: decoder layer {li} got positional arguments "
+                                           "beyond the hidden states; this architecture is not supported")
+                    if li == 0:
+                        self.hidden.append(hidden_states.detach())
+                    calls.append(kwargs)
+                    return hidden_states
+
+                return forward
+
+            for li, layer in enumerate(layers):
+                layer.forward = recorder(li)
+            try:
+                with torch.no_grad():
+                    base(input_ids=batch.to(device), use_cache=False)
+            finally:
+                for layer in layers:
+                    del layer.forward
+            if len(calls) != len(layers):
+                raise RuntimeError(f"hf_tensorcomp calibration: {len(calls)} of {len(layers)} decoder layers were called")
+            self.kwargs.append(calls)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
+    def _forward(self, li: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+        layer = self.layers[li]
+        with torch.no_grad():
+            out = [layer(h, **kw[li]) for h, kw in zip(hidden, self.kwargs)]
+        return [o[0] if isinstance(o, tuple) else o for o in out]
+
+    def run(
+        self,
+        wanted: dict[int, dict[str, frozenset]],
+        on_layer: Callable[[int, dict[str, ModuleStats]], bool],
+        last: int,
+        propagate: bool = True,
+        progress: bool = True,
+        desc: str = "hf_tensorcomp: calibrated compression",
+    ) -> None:
+        """Layers 0..last in order: gather `wanted[li]` ({module name under the layer list: kinds}),
+        call ``on_layer(li, stats)`` (True if it changed the layer), move the hidden states on."""
+        hidden = list(self.hidden)
+        for li in tqdm(range(last + 1), desc=desc, disable=not progress, unit="layer"):
+            hooks = StatsHooks(self.layers[li], {n: k - {"fisher"} for n, k in wanted.get(li, {}).items()}, f"{li}.")
+            try:
+                out = self._forward(li, hidden)
+            finally:
+                stats = hooks.close()
+            for n, st in stats.items():
+                st.kinds = wanted[li][n]
+            changed = on_layer(li, stats)
+            del stats
+            if changed and propagate and li < last:
+                out = self._forward(li, hidden)
+            hidden = out

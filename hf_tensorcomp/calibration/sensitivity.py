@@ -1,0 +1,54 @@
+"""How much the loss cares about each module's output: the mean squared gradient (diagonal Fisher).
+
+One forward and backward pass of the dense model over the calibration batch, language-modelling
+loss, no weight gradients kept. For module m with outputs y, ``f_m = mean over tokens and channels
+of (∂L/∂y)²``; to second order, an output error ΔY costs about ½ f_m ‖ΔY‖² of loss (Fisher
+approximation of the Hessian, errors spread over the channels). That puts the truncation losses of
+different matrices in one unit, the loss, so a global budget can trade them against each other.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str], ids: torch.Tensor,
+                  batch_size: int = 2) -> dict[str, float]:
+    """``{name: f_m}`` for modules named relative to the decoder-layer list (``"3.mlp.down_proj"``)."""
+    acc = {n: torch.zeros((), dtype=torch.float64) for n in names}
+    count = {n: 0 for n in names}
+    handles = []
+
+    def hook_for(name):
+        def hook(module, args, out):
+            if out.requires_grad:
+                def grad_hook(g):
+                    acc[name] += g.detach().double().pow(2).sum().cpu()
+                    count[name] += g.numel()
+                out.register_hook(grad_hook)
+        return hook
+
+    for n in names:
+        handles.append(layer_list.get_submodule(n).register_forward_hook(hook_for(n)))
+    emb = model.get_input_embeddings()
+    handles.append(emb.register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    was_training = model.training
+    device = next(model.parameters()).device
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        model.eval()
+        with torch.enable_grad():
+            for batch in ids.split(batch_size):
+                batch = batch.to(device)
+                out = model(input_ids=batch, labels=batch, use_cache=False)
+                (out.loss * batch.shape[0]).backward()  # summed over sequences, mean over tokens in each
+    finally:
+        for h in handles:
+            h.remove()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.train(was_training)
+    return {n: float(acc[n] / max(count[n], 1)) for n in names}
