@@ -44,7 +44,7 @@ def _check_examples(examples) -> None:
                 )
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: quantized peers (optimum-quanto int4) fail on inference tensors
 def multiple_choice_accuracy(
     model,
     tokenizer,

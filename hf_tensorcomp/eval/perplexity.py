@@ -43,7 +43,7 @@ def _tokenizer_adds_bos(tokenizer) -> bool:
     return len(probe) > 0 and probe[0] == bos
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: quantized peers (optimum-quanto int4) fail on inference tensors
 def perplexity(
     model,
     tokenizer,

@@ -1,0 +1,219 @@
+"""Calibrated compression of every decoder linear: data-free vs activation-aware vs global budget, and the peer.
+
+For each model and each budget (`target`: the fraction of the decoder linears' weight parameters kept):
+plain SVD (uniform ranks, data-free), ASVD scaling, SVD-LLM whitening with uniform ranks, whitening with
+a global allocation (relative loss, and the default: Fisher-weighted loss), and the default without
+propagation; beside them optimum-quanto weight-only int8 / int4 on the same linears (the peer a user
+would pick instead) and the dense model. Calibration: the Wikipedia *calib* split; perplexity: the
+Wikipedia *eval* split (disjoint paragraphs). Each variant runs in a child process, so its peak memory
+(max RSS) is its own. Bytes are counted at bf16 for every float tensor (the model as shipped in bf16),
+quanto at its bit width plus bf16 scales.
+
+    python benchmarks/calibrated.py --recipe recipes/calibrated_benchmark.json
+    python benchmarks/calibrated.py --report-only        # re-render table and plot from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, load_recipe, markdown_table, write_json  # noqa: E402
+
+DEFAULTS = {
+    "models": ["smollm2", "gemma3"],
+    "targets": [0.8, 0.6],
+    "variants": ["plain", "asvd", "whiten_uniform", "whiten_relative", "whiten_global", "whiten_global_noprop"],
+    "peers": ["int8", "int4"],
+    "eval_tokens": 8192,
+    "calibration_samples": 32,
+    "calibration_length": 256,
+    "wikihow_examples": 0,
+    "threads": 2,
+}
+
+VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/targets)
+    "plain": {"allocation": "uniform"},
+    "asvd": {"whiten": "asvd", "allocation": "uniform"},
+    "whiten_uniform": {"whiten": True, "allocation": "uniform"},
+    "whiten_relative": {"whiten": True, "allocation": "relative"},
+    "whiten_global": {"whiten": True, "allocation": "global"},
+    "whiten_global_noprop": {"whiten": True, "allocation": "global", "propagate": False},
+}
+NAME = "calibrated"
+
+
+def _bf16_bytes(model) -> int:
+    return sum(p.numel() * 2 for p in model.parameters())
+
+
+def _quanto(model, bits: int) -> int:
+    """Weight-only quantize the decoder linears with optimum-quanto; returns the model's bytes."""
+    from optimum.quanto import freeze, qint4, qint8, quantize
+
+    from hf_tensorcomp.surgery import find_decoder_layers
+
+    _, layers = find_decoder_layers(model)
+    quantize(layers, weights={8: qint8, 4: qint4}[bits])
+    freeze(layers)
+    total = 0
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if hasattr(p, "_data") or type(p).__name__.startswith(("QTensor", "WeightQBits", "QBits")):
+                total += p.numel() * bits // 8 + (p.shape[0] * 2 if bits == 8 else p.numel() // 128 * 4)
+            else:
+                total += p.numel() * 2
+    return total
+
+
+def _linear_params(model) -> int:
+    import torch
+
+    from hf_tensorcomp.surgery import find_decoder_layers
+
+    _, layers = find_decoder_layers(model)
+    return sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+
+
+def _one(job: dict, q) -> None:
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    import hf_tensorcomp
+    from hf_tensorcomp import TensorCompressionConfig, assets
+    from hf_tensorcomp.eval import perplexity
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = assets.model_path(job["model"])
+    tok = AutoTokenizer.from_pretrained(path)
+    row = {k: job[k] for k in ("model", "variant", "target")}
+    t0 = time.perf_counter()
+    if job["variant"] in ("dense", "int8", "int4"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        row["linear_params"] = _linear_params(model)
+        row["bytes"] = _bf16_bytes(model) if job["variant"] == "dense" else _quanto(model, int(job["variant"][3:]))
+        row["compress_s"] = round(time.perf_counter() - t0, 1)
+    else:
+        fields = dict(VARIANTS[job["variant"]])
+        cfg = TensorCompressionConfig(
+            method="laser", target=job["target"], targets=["*_proj"], progress=False,
+            calibration=None if job["variant"] == "plain" else "wikipedia",
+            calibration_samples=job["calibration_samples"], calibration_length=job["calibration_length"],
+            propagate=fields.pop("propagate", True), **fields)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg)
+        st = model.config.quantization_config.stats
+        row["compress_s"] = st["compress_seconds"]
+        row["bytes"] = _bf16_bytes(model)
+        alloc = st.get("allocation", {}).get("0")
+        ranks = {n: m["rank"] for n, m in st["modules"].items()}
+        row["ranks"] = ranks
+        if alloc:
+            row["kept_dense"] = alloc["kept_dense"]
+    row["params"] = sum(p.numel() for p in model.parameters())
+    row["ppl"] = perplexity(model, tok, assets.load_text("wikipedia", "eval"), max_tokens=job["eval_tokens"],
+                            progress=False)["ppl"]
+    if job["wikihow_examples"]:
+        from hf_tensorcomp.eval.multiple_choice import multiple_choice_accuracy
+
+        ex = assets.load_bigbench_task("goal_step_wikihow")[: job["wikihow_examples"]]
+        row["wikihow"] = multiple_choice_accuracy(model, tok, ex, progress=False)["accuracy"]
+    row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    q.put(row)
+
+
+def run(cfg: dict) -> list[dict]:
+    path = RESULTS / f"{NAME}.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    done = {(r["model"], r["variant"], r["target"]) for r in rows}
+    ctx = mp.get_context("spawn")
+    for model in cfg["models"]:
+        jobs = [("dense", None)] + [(p, None) for p in cfg["peers"]]
+        jobs += [(v, t) for t in cfg["targets"] for v in cfg["variants"]]
+        for variant, target in jobs:
+            if (model, variant, target) in done:
+                continue
+            job = {**cfg, "model": model, "variant": variant, "target": target}
+            q = ctx.Queue()
+            p = ctx.Process(target=_one, args=(job, q))
+            p.start()
+            while p.is_alive() and q.empty():
+                time.sleep(1)
+            if q.empty():
+                print(f"{model} {variant} {target}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
+                continue
+            row = q.get()
+            p.join()
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("ranks", "kept_dense")}), flush=True)
+            write_json(f"{NAME}.json", rows)
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        rs = [r for r in rows if r["model"] == model]
+        dense = next(r for r in rs if r["variant"] == "dense")
+        for r in rs:
+            r["bytes_ratio"] = r["bytes"] / dense["bytes"]
+            r["ppl_ratio"] = r["ppl"] / dense["ppl"]
+            if "ranks" in r:
+                r["linear_kept"] = 1 - (dense["params"] - r["params"]) / dense["linear_params"]
+        out.append(f"### {model}\n")
+        out.append(markdown_table(rs, [("variant", "variant", "{}"), ("target", "target", "{}"),
+                                       ("linear_kept", "linear params kept", "{:.3f}"),
+                                       ("bytes_ratio", "bytes vs dense (bf16)", "{:.3f}"), ("ppl", "perplexity", "{:.2f}"),
+                                       ("ppl_ratio", "ppl vs dense", "{:.2f}x"), ("wikihow", "wikihow acc", "{:.3f}"),
+                                       ("compress_s", "compress s", "{:.1f}"), ("peak_rss_mb", "peak RSS MB", "{:,}")]))
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = [r for r in rows if r["variant"] == "whiten_global" and r.get("ranks")]
+    if not best:
+        return
+    fig, axes = plt.subplots(1, len(best), figsize=(5 * len(best), 4), squeeze=False)
+    for ax, r in zip(axes[0], best):
+        by_type: dict[str, dict[int, int]] = {}
+        for name, rank in r["ranks"].items():
+            parts = name.split(".")
+            li = int(parts[parts.index("layers") + 1])
+            by_type.setdefault(parts[-1], {})[li] = rank
+        for kind, d in sorted(by_type.items()):
+            ax.plot(sorted(d), [d[i] for i in sorted(d)], marker=".", label=kind)
+        ax.set_title(f"{r['model']} target {r['target']}: rank per layer\n(missing point = kept dense)")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("rank")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe")
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    cfg = load_recipe(args.recipe, DEFAULTS)
+    path = RESULTS / f"{NAME}.json"
+    rows = json.loads(path.read_text()) if args.report_only else run(cfg)
+    md = report(rows)
+    (RESULTS / f"{NAME}.md").write_text(f"# Calibrated compression (every decoder linear)\n\n{md}\n")
+    plot(rows, RESULTS / f"{NAME}.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Calibration: the layer-by-layer pipeline, whitening, and the global budget."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
+from hf_tensorcomp.calibration import LayerwiseRunner, calibration_ids
+from hf_tensorcomp.decompositions.allocation import allocate
+from hf_tensorcomp.decompositions.svd import truncated_svd, whitened_svd, whitening_factor
+from hf_tensorcomp.surgery import find_decoder_layers
+from tiny import ARCHS, VOCAB, rel_err
+
+
+def calib_ids(n=6, length=16, seed=3):
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def load(path, **cfg):
+    cfg.setdefault("progress", False)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=TensorCompressionConfig(**cfg))
+
+
+def test_whitening_identity_and_optimality():
+    """‖(W - W') Xᵀ‖ equals the norm of the dropped whitened singular values, and beats plain SVD."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(20, 12, generator=g, dtype=torch.float64)
+    x = torch.randn(200, 12, generator=g, dtype=torch.float64) * torch.logspace(-1, 1, 12, dtype=torch.float64)
+    s = whitening_factor(x.T @ x, damping=0.0)
+    assert torch.allclose(s @ s.T, x.T @ x)
+    for r in (1, 4, 8):
+        u, v, sv = whitened_svd(w, r, s)
+        err = torch.linalg.norm((w - u.double() @ v.double()) @ x.T)
+        assert err.item() == pytest.approx(sv[r:].pow(2).sum().sqrt().item(), rel=1e-4)
+        pu, pv = truncated_svd(w, r)
+        assert err < torch.linalg.norm((w - pu.double() @ pv.double()) @ x.T)  # the output error is what it minimises
+    u, v, _ = whitened_svd(w, 12, s)
+    assert torch.allclose(u.double() @ v.double(), w, atol=1e-4)
+
+
+def test_asvd_scaling_is_exact_at_full_rank():
+    w = torch.randn(9, 7, dtype=torch.float64)
+    u, v, _ = whitened_svd(w, 7, torch.rand(7, dtype=torch.float64) + 0.1)
+    assert torch.allclose(u.double() @ v.double(), w, atol=1e-5)
+
+
+def test_allocation_meets_budget_and_prefers_cheap_loss():
+    # two matrices: "a" loses little per rank, "b" a lot; costs 10 per rung
+    ladders = {"a": ([10, 20, 30, 40], [0.3, 0.2, 0.1, 0.0]), "b": ([10, 20, 30, 40], [9.0, 4.0, 1.0, 0.0])}
+    rungs = allocate(ladders, budget=60)
+    assert rungs == {"a": 1, "b": 3}  # b's steps save more loss per unit of cost: b climbs to the top first
+    assert sum(ladders[k][0][j] for k, j in rungs.items()) <= 60
+    with pytest.raises(ValueError, match="below the cheapest"):
+        allocate(ladders, budget=15)
+
+
+@pytest.mark.parametrize("target", [0.3, 0.55, 0.8])
+def test_global_budget_is_met_exactly(target, tiny_dirs):
+    """Kept parameters never exceed the budget and fall short of it by less than one rank step."""
+    m = load(tiny_dirs["llama"], method="laser", target=target, whiten=True, calibration=calib_ids())
+    st = m.config.quantization_config.stats
+    a = st["allocation"]["0"]
+    _, layers = find_decoder_layers(m)
+    kept = sum(p.numel() for n, p in layers.named_parameters() if n.endswith("weight") and "proj" in n)
+    assert kept == a["params_kept"] <= target * a["params_targeted"]
+    assert target * a["params_targeted"] - kept < 48 + 96  # one rank of the widest matrix (in + out)
+    ranks = {n: s["rank"] for n, s in st["modules"].items()}
+    assert len(set(ranks.values())) > 1  # not one rank for every matrix
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_whitened_full_rank_is_exact(arch, tiny_dirs, ids):
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch])
+    for whiten in (True, "asvd"):
+        comp = load(tiny_dirs[arch], method="laser", rank=1.0, whiten=whiten, calibration=calib_ids())
+        assert sum(isinstance(m, LowRankLinear) for m in comp.modules()) == 21
+        assert rel_err(comp(ids).logits, dense(ids).logits) <= 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_layer_calls_reproduce_the_model(arch, tiny_dirs):
+    """Each layer is called with its own masks and position embeddings (Gemma3: sliding and global)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch]).eval()
+    prefix, layers = find_decoder_layers(model)
+    x = calib_ids(n=4, length=20)  # longer than Gemma's sliding window (8): the two masks differ
+    runner = LayerwiseRunner(model, prefix, layers, x, batch_size=3)
+    ref = model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
+    hidden = runner.hidden
+    for li in range(len(layers)):
+        assert torch.allclose(torch.cat(hidden), ref[li], atol=1e-5)
+        hidden = runner._forward(li, hidden)
+    if arch == "gemma3":
+        kinds = {model.config.layer_types[li]: runner.kwargs[0][li]["attention_mask"] for li in range(3)}
+        sliding, full = kinds["sliding_attention"], kinds["full_attention"]
+        assert sliding is not None and (full is None or not torch.equal(sliding, full))
+
+
+@torch.no_grad()
+def test_propagation_changes_later_inputs(tiny_dirs):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    prefix, layers = find_decoder_layers(model)
+    runner = LayerwiseRunner(model, prefix, layers, calib_ids())
+    name = "1.self_attn.q_proj"
+    grams = {}
+    for propagate in (True, False):
+        seen = {}
+
+        def on_layer(li, stats):
+            if li == 0:
+                layers[0].mlp.down_proj.weight.mul_(0.5)  # "compress" layer 0
+            seen.update(stats)
+            return li == 0
+
+        runner.run({1: {name: frozenset({"gram"})}}, on_layer, last=1, propagate=propagate, progress=False)
+        layers[0].mlp.down_proj.weight.mul_(2.0)
+        grams[propagate] = seen[name].gram
+    assert not torch.allclose(grams[True], grams[False])
+    # without propagation layer 1 sees the dense model's inputs
+    dense = {}
+    runner.run({1: {name: frozenset({"gram"})}}, lambda li, st: dense.update(st) or False, last=1, progress=False)
+    assert torch.allclose(dense[name].gram, grams[False])
+
+
+def test_same_seed_same_factors(tiny_dirs):
+    a = load(tiny_dirs["qwen3"], method="laser", target=0.5, whiten=True, calibration=calib_ids(n=12), calibration_samples=4)
+    b = load(tiny_dirs["qwen3"], method="laser", target=0.5, whiten=True, calibration=calib_ids(n=12), calibration_samples=4)
+    c = load(tiny_dirs["qwen3"], method="laser", target=0.5, whiten=True, calibration=calib_ids(n=12), calibration_samples=4,
+             calibration_seed=1)
+    sa, sb, sc = (dict(m.named_parameters()) for m in (a, b, c))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(sa[k].shape != sc[k].shape or not torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_whitened_checkpoint_reloads_without_calibration(tiny_dirs, tmp_path, ids):
+    m = load(tiny_dirs["gemma3"], method="laser", target=0.6, whiten=True, calibration=calib_ids())
+    m.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.config.quantization_config.calibration == {"described": "token ids (6, 16)"}
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, m(ids).logits)
+
+
+def test_calibration_texts_windows_are_seeded_and_disjoint_from_eval():
+    from transformers import AutoTokenizer
+
+    from hf_tensorcomp.assets import load_text, model_path
+
+    tok = AutoTokenizer.from_pretrained(model_path("smollm2"))
+    a = calibration_ids("wikipedia", tok, samples=8, length=64, seed=0)
+    assert a.shape == (8, 64)
+    assert torch.equal(a, calibration_ids("wikipedia", tok, samples=8, length=64, seed=0))
+    assert not torch.equal(a, calibration_ids("wikipedia", tok, samples=8, length=64, seed=1))
+    own = calibration_ids(["A sentence of my own text, repeated."] * 40, tok, samples=3, length=16, seed=0)
+    assert own.shape == (3, 16)
+    calib, held_out = load_text("wikipedia", "calib"), load_text("wikipedia", "eval")
+    assert not set(calib) & set(held_out)
+    with pytest.raises(ValueError, match="calibration_length"):
+        calibration_ids(["too short"], tok, samples=1, length=64, seed=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="laser", rank=0.5, whiten=True), "calibration"),
+    (dict(method="laser", whiten=True, calibration="wiki"), "calibration"),
+    (dict(method="laser", whiten="pca", calibration="wikipedia"), "whiten"),
+    (dict(method="laser", rank=0.5, target=0.8), "target"),
+    (dict(method="laser", target=1.5), "target"),
+    (dict(method="laser", allocation="best", target=0.5), "allocation"),
+    (dict(method="laser", calibration=[1, 2]), "calibration"),
+    (dict(method="laser", calibration="wikipedia", calibration_samples=0), "calibration_samples"),
+    (dict(method="laser", calibration="wikipedia", propagate="yes"), "propagate"),
+    (dict(method="trawl", target=0.5), "target"),
+])
+def test_bad_calibration_settings_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=f"TensorCompressionConfig.{match}"):
+        TensorCompressionConfig(**kwargs)
