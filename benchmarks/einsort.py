@@ -174,7 +174,7 @@ def _summary(stats: dict) -> dict:
 
 
 def evaluate(model, tok, cfg, targets, opts, label) -> dict:
-    config = TensorCompressionConfig(method="einsort", rank=cfg["ppl_ratio"], targets=targets, progress=False, **opts)
+    config = TensorCompressionConfig(method="einsort", target=cfg["ppl_ratio"], targets=targets, progress=False, **opts)
     restore, stats, secs = approximate(model, config)
     try:
         p = ppl(model, tok, cfg["max_tokens"])

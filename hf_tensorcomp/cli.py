@@ -56,6 +56,13 @@ def _ppl(model, tok, args) -> float:
     return r["ppl"]
 
 
+def _calibration(value):
+    """A bundled text name as is; a file path read as one text per non-empty line."""
+    if value is None or value in ("wikipedia", "owt") or not Path(value).is_file():
+        return value  # a bad name is reported by the config, naming the field
+    return [line for line in Path(value).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def cmd_compress(args) -> int:
     import torch
     import transformers
@@ -63,8 +70,11 @@ def cmd_compress(args) -> int:
     from . import TensorCompressionConfig, write_model_card
     from .integration.hub import push_to_hub
 
-    cfg = TensorCompressionConfig(method=args.method, rank=args.rank, targets=args.targets, layers=args.layers,
-                                  mode=args.mode, progress=not args.quiet, **dict(args.option or []))
+    cfg = TensorCompressionConfig(method=args.method, rank=args.rank, target=args.target, targets=args.targets,
+                                  layers=args.layers, mode=args.mode, progress=not args.quiet,
+                                  calibration=_calibration(args.calibration), calibration_samples=args.calibration_samples,
+                                  calibration_length=args.calibration_length, propagate=not args.no_propagate,
+                                  **dict(args.option or []))
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         print(f"--out: {out} exists and is not empty; allowed: a new or empty folder, or pass --overwrite", file=sys.stderr)
@@ -204,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", nargs="?", default="smollm2", help="folder, repo id, or smollm2 | gemma3 (default smollm2)")
     c.add_argument("--method", default="laser")
     c.add_argument("--rank", type=_rank, default=None, help="int rank, or a float fraction of full rank")
+    c.add_argument("--target", type=float, default=None,
+                   help="instead of --rank: fraction of the targeted modules' parameters kept, allocated across them")
+    c.add_argument("--calibration", default=None,
+                   help="calibration text: wikipedia | owt (their calib split) or a text file (one paragraph per line)")
+    c.add_argument("--calibration-samples", type=int, default=32, help="calibration windows (default 32)")
+    c.add_argument("--calibration-length", type=int, default=256, help="tokens per calibration window (default 256)")
+    c.add_argument("--no-propagate", action="store_true", help="calibrate every layer on the dense model's activations")
     c.add_argument("--targets", nargs="+", default=None, help="module-name patterns, e.g. 'mlp.*'")
     c.add_argument("--layers", nargs="+", type=int, default=None, help="layer indices, negatives from the end")
     c.add_argument("--mode", default="factorized", choices=["factorized", "dense"])

@@ -63,6 +63,8 @@ class Entry:
                 fail("layers", layers, "None (all layers) or a non-empty list of ints (negatives count from the end)")
             layers = list(layers)
         self.layers = layers
+        if target is None and rank is None:
+            target = m.default_target
         if target is not None:
             if rank is not None:
                 fail("target", target, "either rank= (per matrix) or target= (a budget for all the targeted modules), not both")

@@ -268,7 +268,7 @@ def test_method_full_rank_is_exact(arch, opts, tiny_dirs, ids):
 @torch.no_grad()
 @pytest.mark.parametrize("arch", ARCHS)
 def test_save_reload_identical_logits_and_bits_in_safetensors(arch, tiny_dirs, tmp_path, ids):
-    m = load(tiny_dirs[arch], rank=0.5, network="svd", factor_dtype="bfloat16")
+    m = load(tiny_dirs[arch], target=0.5, network="svd", factor_dtype="bfloat16")
     m.save_pretrained(tmp_path)
     again, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -293,8 +293,8 @@ def test_loading_without_import_fails_loudly(tiny_dirs, tmp_path):
 
 @torch.no_grad()
 def test_dense_mode_writes_the_approximation(tiny_dirs, ids):
-    fac = load(tiny_dirs["llama"], rank=0.4, targets=["mlp.*"], network="tr")
-    den = load(tiny_dirs["llama"], rank=0.4, targets=["mlp.*"], network="tr", mode="dense")
+    fac = load(tiny_dirs["llama"], target=0.4, targets=["mlp.*"], network="tr")
+    den = load(tiny_dirs["llama"], target=0.4, targets=["mlp.*"], network="tr", mode="dense")
     assert not any(isinstance(x, EinSortLinear) for x in den.modules())
     assert rel_err(fac(ids).logits, den(ids).logits) < 1e-5
 
@@ -302,7 +302,7 @@ def test_dense_mode_writes_the_approximation(tiny_dirs, ids):
 @pytest.mark.parametrize("cfg, field", [
     ({"network": "peps"}, "network"), ({"sort": "partial"}, "sort"), ({"group": 0}, "group"), ({"group": 7}, "group"),
     ({"reduction": "sum"}, "reduction"), ({"mapping": ["pow", 0]}, "mapping"), ({"network": "cp", "gauge": "block_identity"}, "gauge"),
-    ({"sort": "full", "rank": 0.3}, "rank"), ({"rank": 49, "targets": ["mlp.*"]}, "rank"), ({"fold": [5, 5]}, "fold"),
+    ({"sort": "full", "target": 0.3}, "target"), ({"rank": 0.3}, "rank"), ({"rank": 49, "targets": ["mlp.*"]}, "rank"), ({"fold": [5, 5]}, "fold"),
     ({"activation_scales": "/nonexistent.safetensors"}, "activation_scales"), ({"factor_dtype": "int8"}, "factor_dtype"),
 ])
 def test_bad_config_fails_before_weights_load(cfg, field, tiny_dirs):
@@ -332,6 +332,6 @@ def test_activation_aware_scaling_is_saved_and_exact_at_full_rank(tiny_dirs, tmp
     m.save_pretrained(tmp_path / "out")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert torch.equal(again(ids).logits, m(ids).logits)
-    low = load(tiny_dirs["llama"], rank=0.5, targets=["mlp.*"], activation_scales=path)
+    low = load(tiny_dirs["llama"], target=0.5, targets=["mlp.*"], activation_scales=path)
     for st in low.config.quantization_config.stats["modules"].values():
         assert st["byte_ratio"] <= 0.5  # the scale vector is paid for from the same budget

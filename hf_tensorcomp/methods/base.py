@@ -61,6 +61,8 @@ class Method:
     name: str = ""
     default_targets: tuple[str, ...] = ()
     default_rank: Any = None
+    #: the budget used when neither rank nor target is given (methods whose natural unit is a budget)
+    default_target: Any = None
     uses_rank: bool = True
     #: method-specific options and their defaults; `validate_options` rejects anything else
     option_defaults: dict[str, Any] = {}

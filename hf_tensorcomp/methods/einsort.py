@@ -14,10 +14,11 @@ Each targeted ``nn.Linear`` W (out x in) becomes an `EinSortLinear`. How W becom
 - ``nonnegative`` (default True, the paper's best): decompose f(|W|) (f: the ``mapping``), keep the
   sign bits. ``gauge``: ``"auto"`` = block identity (CP: canonical).
 
-``rank``: an int (the bond rank; SVD: at most min(out, in)), a list of bond ranks, or a float in
-(0, 1]: the byte budget per matrix as a fraction of its dense bytes at the factor dtype — honest
-bytes, so permutation indices, sign bits and pivots come out of the same budget (`check_unit`
-fails before loading weights if they alone exceed it).
+``rank``: an int (the bond rank; SVD: at most min(out, in)) or a list of bond ranks. ``target``
+instead: a float in (0, 1), the byte budget per matrix as a fraction of its dense bytes at the factor
+dtype — honest bytes, so permutation indices, sign bits and pivots come out of the same budget
+(`check_unit` fails before loading weights if they alone exceed it). A float ``rank`` (the old
+spelling of the byte budget) is refused with a message saying to write ``target=``.
 
 Activation-aware (ASVD-style, the paper's Appendix H): ``activation_scales`` names a safetensors
 file of per-module mean |input| vectors (`activation_scales` / `save_activation_scales` below, from
@@ -47,7 +48,8 @@ FACTOR_DTYPES = (None, "float32", "bfloat16", "float16")
 class EinSort(Method):
     name = "einsort"
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
-    default_rank = 0.5
+    default_rank = None
+    default_target = 0.5
     option_defaults = {
         "network": "svd", "sort": "shared", "group": 8, "sort_dim": "in", "mapping": ["pow", 0.5],
         "reduction": "prod", "nonnegative": True, "gauge": "auto", "fold": None, "factor_dtype": None,
@@ -104,12 +106,22 @@ class EinSort(Method):
             o["activation_scales"] = str(path)
         return o
 
+    supports_target = True
+
     def validate_rank(self, rank, options):
+        if isinstance(rank, float):
+            fail("rank", rank, f"an int >= 1 or a list of bond ranks; for a byte budget write target={rank} "
+                 "(the fraction of each matrix's dense bytes kept; a float rank no longer means bytes)")
         if isinstance(rank, (list, tuple)):
             if not rank or not all(is_int(r, 1) for r in rank):
-                fail("rank", rank, "an int >= 1, a float byte fraction in (0, 1], or a list of bond ranks >= 1")
+                fail("rank", rank, "an int >= 1 or a list of bond ranks >= 1 (byte budgets: target=<fraction>)")
             return list(rank)
         return super().validate_rank(rank, options)
+
+    def validate_target(self, target, options):
+        if not isinstance(target, (int, float)) or isinstance(target, bool) or not 0 < target < 1:
+            fail("target", target, "a float in (0, 1): the fraction of each matrix's dense bytes kept")
+        return float(target)
 
     # -- how a weight becomes the fitted tensor ---------------------------------------------
     @staticmethod
@@ -144,17 +156,17 @@ class EinSort(Method):
                 fail("fold", o["fold"], f"a shape with {lay['rows'] * lay['cols']} entries for {where}")
             full = min(mod.out_features, mod.in_features)
             if o["network"] == "svd" and isinstance(entry.rank, int) and entry.rank > full:
-                fail("rank", entry.rank, f"an int in [1, {full}] for {where}, or a float byte fraction in (0, 1]")
+                fail("rank", entry.rank, f"an int in [1, {full}] for {where}, or target=<byte fraction in (0, 1)>")
             if isinstance(entry.rank, list):
                 bond_ranks(o["network"], lay["fold"], entry.rank)  # raises on a wrong count
-            if isinstance(entry.rank, float):
+            if entry.target is not None:
                 fdtype = _factor_dtype(o, mod.weight.dtype)
                 dense = mod.out_features * mod.in_features * torch.empty(0, dtype=fdtype).element_size()
                 over = es.overhead_bytes(lay["shape"], lay["sort_axis"], lay["reduce_over"], o["nonnegative"])
                 over += mod.in_features * torch.empty(0, dtype=fdtype).element_size() if o["activation_scales"] else 0
-                if es.rank_for_budget(int(entry.rank * dense), o["network"], lay["fold"], lay["gauge"], fdtype, over) is None:
+                if es.rank_for_budget(int(entry.target * dense), o["network"], lay["fold"], lay["gauge"], fdtype, over) is None:
                     least = (over + es.network_bytes(o["network"], lay["fold"], 1, lay["gauge"], fdtype)) / dense
-                    fail("rank", entry.rank, f"a byte fraction >= {least:.3f} for {where} with sort={o['sort']!r}: the "
+                    fail("target", entry.target, f"a byte fraction >= {least:.3f} for {where} with sort={o['sort']!r}: the "
                           f"permutation{' and sign' if o['nonnegative'] else ''} bits alone take {over / dense:.3f} of its dense bytes")
 
     def compress(self, modules, entry, ctx):
@@ -176,11 +188,11 @@ class EinSort(Method):
             target = w * s if s is not None else w
             m = target.T if o["sort_dim"] == "out" else target
             rank = entry.rank
-            if isinstance(rank, float):  # budget minus the scale vector, which the fit does not see
+            if entry.target is not None:  # budget minus the scale vector, which the fit does not see
                 dense = w.numel() * torch.empty(0, dtype=fdtype).element_size()
                 extra = 0 if s is None else lin.in_features * torch.empty(0, dtype=fdtype).element_size()
                 over = es.overhead_bytes(lay["shape"], lay["sort_axis"], lay["reduce_over"], o["nonnegative"]) + extra
-                rank = es.rank_for_budget(int(rank * dense), o["network"], lay["fold"], lay["gauge"], fdtype, over)
+                rank = es.rank_for_budget(int(entry.target * dense), o["network"], lay["fold"], lay["gauge"], fdtype, over)
             fitted = es.fit(m.reshape(lay["shape"]), o["network"], rank, sort_axis=lay["sort_axis"],
                             reduce_over=lay["reduce_over"], mapping=tuple(o["mapping"]), reduction=o["reduction"],
                             nonnegative=o["nonnegative"], gauge=lay["gauge"], fold=lay["fold"], dtype=fdtype,
