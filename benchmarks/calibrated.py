@@ -132,10 +132,11 @@ def run(cfg: dict) -> list[dict]:
     rows = json.loads(path.read_text()) if path.exists() else []
     done = {(r["model"], r["variant"], r["target"]) for r in rows}
     ctx = mp.get_context("spawn")
-    for model in cfg["models"]:
-        jobs = [("dense", None)] + [(p, None) for p in cfg["peers"]]
-        jobs += [(v, t) for t in cfg["targets"] for v in cfg["variants"]]
-        for variant, target in jobs:
+    # in priority order (dense and peers, then each variant for both models), so a cut-short run has what matters
+    jobs = [("dense", None)] + [(p, None) for p in cfg["peers"]]
+    jobs += [(v, t) for v in cfg["variants"] for t in cfg["targets"]]
+    for variant, target in jobs:
+        for model in cfg["models"]:
             if (model, variant, target) in done:
                 continue
             job = {**cfg, "model": model, "variant": variant, "target": target}
