@@ -127,7 +127,14 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         ids = calibration_ids(config.calibration, _calibration_tokenizer(model, config), config.calibration_samples,
                               config.calibration_length, config.calibration_seed)
         runner = LayerwiseRunner(model, prefix, layer_list, ids, config.calibration_batch_size)
-    allocation = _allocate(config, work, methods, allocating, layer_list, runner)
+    fisher = {}
+    sensitive = [n for k, names in work for n in names
+                 if "fisher" in needs[k] | (methods[k].ladder_needs(config.entries[k]) if allocating[k] else frozenset())]
+    if sensitive:  # one backward pass of the dense model, before anything changes
+        from .calibration.sensitivity import output_fisher
+
+        fisher = output_fisher(model, layer_list, sensitive, runner.ids)
+    allocation = _allocate(config, work, methods, allocating, layer_list, runner, fisher)
     module_stats = {}
 
     def compress_unit(k, names, stats):
@@ -155,6 +162,8 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         pending: dict = {}
 
         def on_layer(li, stats):
+            for n, st in stats.items():
+                st.fisher = fisher.get(n)
             pending.update(stats)
             for k, names in by_last.get(li, []):
                 compress_unit(k, names, {n: pending.pop(n) for n in names if n in pending} if needs[k] else None)
@@ -201,7 +210,7 @@ def _calibration_tokenizer(model: nn.Module, config: TensorCompressionConfig):
                          "allowed: a tokenizer object or path, or token ids as calibration") from None
 
 
-def _allocate(config, work, methods, allocating, layer_list, runner) -> dict[int, dict]:
+def _allocate(config, work, methods, allocating, layer_list, runner, fisher) -> dict[int, dict]:
     """Per entry with a global `target`: the rung of every module's ladder, meeting the budget."""
     from .decompositions.allocation import allocate
 
@@ -213,11 +222,6 @@ def _allocate(config, work, methods, allocating, layer_list, runner) -> dict[int
         names = [n for kk, ns in work if kk == k for n in ns]
         ladders = {}
         kinds = m.ladder_needs(entry)
-        fisher = {}
-        if "fisher" in kinds:
-            from .calibration.sensitivity import output_fisher
-
-            fisher = output_fisher(runner.model, layer_list, names, runner.ids)
         if kinds:
             wanted: dict[int, dict[str, frozenset]] = {}
             for n in names:

@@ -1,10 +1,10 @@
 """How much the loss cares about each module's output: the mean squared gradient (diagonal Fisher).
 
 One forward and backward pass of the dense model over the calibration batch, language-modelling
-loss, no weight gradients kept. For module m with outputs y, ``f_m = mean over tokens and channels
-of (∂L/∂y)²``; to second order, an output error ΔY costs about ½ f_m ‖ΔY‖² of loss (Fisher
-approximation of the Hessian, errors spread over the channels). That puts the truncation losses of
-different matrices in one unit, the loss, so a global budget can trade them against each other.
+loss, no weight gradients kept. For module m with outputs y, ``f_m[j] = mean over tokens of
+(∂L/∂y_j)²``; to second order, an output error ΔY costs about ½ Σ_j f_m[j] ‖ΔY_j‖² of loss (the
+Fisher approximation of the Hessian, diagonal over output channels). That puts the truncation losses
+of different matrices in one unit, the loss, so a global budget can trade them against each other.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from torch import nn
 
 def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str], ids: torch.Tensor,
                   batch_size: int = 2) -> dict[str, float]:
-    """``{name: f_m}`` for modules named relative to the decoder-layer list (``"3.mlp.down_proj"``)."""
-    acc = {n: torch.zeros((), dtype=torch.float64) for n in names}
+    """``{name: f_m}`` (float64 vectors over output channels) for modules named relative to the
+    decoder-layer list (``"3.mlp.down_proj"``)."""
+    acc = {n: 0.0 for n in names}
     count = {n: 0 for n in names}
     handles = []
 
@@ -24,8 +25,9 @@ def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str],
         def hook(module, args, out):
             if out.requires_grad:
                 def grad_hook(g):
-                    acc[name] += g.detach().double().pow(2).sum().cpu()
-                    count[name] += g.numel()
+                    g = g.detach().reshape(-1, g.shape[-1])
+                    acc[name] = acc[name] + g.double().pow(2).sum(0).cpu()
+                    count[name] += g.shape[0]
                 out.register_hook(grad_hook)
         return hook
 
@@ -51,4 +53,4 @@ def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str],
         for p, flag in flags:
             p.requires_grad_(flag)
         model.train(was_training)
-    return {n: float(acc[n] / max(count[n], 1)) for n in names}
+    return {n: acc[n] / max(count[n], 1) for n in names}

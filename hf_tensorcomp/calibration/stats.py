@@ -28,7 +28,7 @@ class ModuleStats:
         self.gram: torch.Tensor | None = None
         self._abs_sum: torch.Tensor | None = None
         self._inputs: list[torch.Tensor] = []
-        self.fisher: float | None = None
+        self.fisher: torch.Tensor | None = None  # per output channel, set by the pipeline
 
     def add(self, x: torch.Tensor, gram: torch.Tensor | None = None) -> None:
         """x: (tokens, in) float32 rows; gram: its XᵀX if already computed for a sibling module."""

@@ -49,33 +49,46 @@ def whitening_factor(gram: torch.Tensor, damping: float = 1e-4) -> torch.Tensor:
                      f"{lam / 10:g} x mean(diag); the calibration text is too short or the inputs are degenerate")
 
 
-def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
+                 d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Best rank-`rank` W' for the output error ‖(W - W') Xᵀ‖ (SVD-LLM): SVD of W S, S⁻¹ folded in.
 
     ``s``: the whitening factor (lower triangular, `whitening_factor`) or, for ASVD, a 1-D vector of
     per-input-channel scales (diag S). Returns u (out x r), v (r x in) with W' = u @ v — the same
     shapes, hence the same factored forward cost, as plain `truncated_svd` — and all singular values
     of W S (float64), whose tail beyond `rank` squared and summed is the whitened truncation loss.
+    ``d`` (optional, 1-D over output channels): weights of the output error as well, ‖D (W - W') Xᵀ‖
+    (Fisher-weighted SVD with d = sqrt of the outputs' mean squared loss gradient).
     """
     full = min(w.shape)
     if not 1 <= rank <= full:
         raise ValueError(f"whitened_svd: rank {rank} outside [1, {full}] for shape {tuple(w.shape)}")
-    wd = w.detach().double()
-    ws = wd * s if s.ndim == 1 else wd @ s
+    ws = _weighted(w, s, d)
     U, S, Vh = torch.linalg.svd(ws, full_matrices=False)
     root = S[:rank].sqrt()
     u = U[:, :rank] * root
+    if d is not None:
+        u = u / d.double()[:, None]
     b = root[:, None] * Vh[:rank]  # = v S
-    if s.ndim == 1:
+    if s is None:
+        v = b
+    elif s.ndim == 1:
         v = b / s
     else:  # v = b S⁻¹  <=>  Sᵀ vᵀ = bᵀ
         v = torch.linalg.solve_triangular(s.T, b.T, upper=True).T
     return u.float(), v.float(), S
 
 
-def whitened_spectrum(w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-    """Singular values (float64) of W S (S: whitening factor or 1-D scales; None: of W itself)."""
+def _weighted(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None) -> torch.Tensor:
+    """D W S in float64 (S: whitening factor or 1-D scales; either side may be None)."""
     wd = w.detach().double()
     if s is not None:
         wd = wd * s if s.ndim == 1 else wd @ s
-    return torch.linalg.svdvals(wd)
+    if d is not None:
+        wd = d.double()[:, None] * wd
+    return wd
+
+
+def whitened_spectrum(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None = None) -> torch.Tensor:
+    """Singular values (float64) of D W S (see `whitened_svd`; None on a side: no weighting there)."""
+    return torch.linalg.svdvals(_weighted(w, s, d))

@@ -42,7 +42,7 @@ class Laser(Method):
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 0.5
     supports_target = True
-    option_defaults = {"whiten": False, "alpha": 0.5, "damping": 1e-4, "allocation": "global"}
+    option_defaults = {"whiten": False, "alpha": 0.5, "damping": 1e-4, "allocation": "global", "weighting": None}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -53,12 +53,15 @@ class Laser(Method):
         for key in ("alpha", "damping"):
             if not isinstance(o[key], (int, float)) or isinstance(o[key], bool) or not 0 <= o[key] <= 10:
                 fail(key, o[key], "a number in [0, 10]")
+        if o["weighting"] not in (None, "fisher"):
+            fail("weighting", o["weighting"], "None | 'fisher' (weight each output channel's error by its mean squared loss gradient)")
         if o["allocation"] not in ALLOCATIONS:
             fail("allocation", o["allocation"], choices(ALLOCATIONS))
         return o
 
     def needs(self, entry):
-        return frozenset({"cholesky": {"gram"}, "asvd": {"abs_mean"}}.get(entry.options["whiten"], ()))
+        kinds = {"cholesky": {"gram"}, "asvd": {"abs_mean"}}.get(entry.options["whiten"], set())
+        return frozenset(kinds | ({"fisher"} if entry.options["weighting"] else set()))
 
     def allocates(self, entry):
         return entry.target is not None and entry.options["allocation"] != "uniform"
@@ -87,10 +90,18 @@ class Laser(Method):
             return whitening_factor(stats.gram, entry.options["damping"])
         return stats.abs_mean.clamp_min(1e-6).pow(entry.options["alpha"])
 
+    def _output_weights(self, stats, entry):
+        return stats.fisher.clamp_min(1e-30).sqrt() if entry.options["weighting"] else None
+
     def ladder(self, name, module, stats, entry):
-        sv2 = whitened_spectrum(module.weight, self._scaling(stats, entry)).pow(2)
-        # loss unit: the loss itself (Fisher x squared output error) when known, else the matrix's relative error
-        total = 1.0 / (0.5 * stats.fisher) if getattr(stats, "fisher", None) else float(sv2.sum()) or 1.0
+        d = self._output_weights(stats, entry)
+        sv2 = whitened_spectrum(module.weight, self._scaling(stats, entry), d).pow(2)
+        # loss unit: the loss itself (½ Fisher x squared output error) when known, else the relative error
+        fisher = getattr(stats, "fisher", None)
+        if fisher is None:
+            total = float(sv2.sum()) or 1.0
+        else:
+            total = 2.0 if d is not None else 2.0 / float(fisher.mean())
         tail = (sv2.flip(0).cumsum(0).flip(0) / total).tolist() + [0.0]  # tail[r] = loss at rank r
         i, o = module.in_features, module.out_features
         ranks = range(1, _break_even(module))
@@ -109,14 +120,14 @@ class Laser(Method):
             else:  # uniform: every matrix keeps `target` of its parameters
                 r = max(1, math.floor(entry.target * w.numel() / sum(w.shape)))
             st = (ctx.stats or {}).get(name)
-            s = self._scaling(st, entry)
-            if s is None:
+            s, d = self._scaling(st, entry), self._output_weights(st, entry) if st is not None else None
+            if s is None and d is None:
                 u, v = truncated_svd(w, r)
                 extra = {}
             else:
-                u, v, sv = whitened_svd(w, r, s)
+                u, v, sv = whitened_svd(w, r, s, d)
                 sv2 = sv.pow(2)
-                extra = {"rel_output_error": round(float((sv2[r:].sum() / sv2.sum()).sqrt()), 6)} if s.ndim == 2 else {}
+                extra = {"rel_output_error": round(float((sv2[r:].sum() / sv2.sum()).sqrt()), 6)} if s is not None and s.ndim == 2 and d is None else {}
             out[name] = (LowRankLinear.from_factors(u, v, lin.bias, dtype=w.dtype),
                          {"rank": r, "rel_error": relative_error(w, u @ v), **extra})
         return out
