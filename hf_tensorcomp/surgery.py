@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import checks
 from .config import TensorCompressionConfig
 from .layers import FactorizedModule, build_from_spec, layer_build_order
 from .methods import get_method
@@ -114,7 +115,11 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
     for k, names in tqdm(work, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="unit"):
         entry = config.entries[k]
         mods = {n: layer_list.get_submodule(n) for n in names}
-        for name, (new, st) in get_method(entry.method).compress(mods, entry, ctx).items():
+        method = get_method(entry.method)
+        checks.check_inputs(mods, prefix)
+        result = method.compress(mods, entry, ctx)
+        checks.check_outputs(result, mods, prefix, entry, method.remedy)
+        for name, (new, st) in result.items():
             if entry.mode == "dense":
                 new = new.to_dense()  # None for containers of shared factors: nothing to add
                 if new is None:

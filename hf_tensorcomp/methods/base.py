@@ -60,6 +60,8 @@ class Method:
     uses_rank: bool = True
     #: method-specific options and their defaults; `validate_options` rejects anything else
     option_defaults: dict[str, Any] = {}
+    #: what to try when a result is refused (non-finite, or no better than zeros): ends the error message
+    remedy: str = "another rank"
     #: module types this method can replace (leaf modules matched by `targets`)
     target_types: tuple[type, ...] = (nn.Linear,)
 

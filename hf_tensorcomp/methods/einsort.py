@@ -34,6 +34,7 @@ from torch import nn
 
 from ..validation import fail, choices, is_int
 from ..decompositions import einsort as es
+from ..decompositions import relative_error
 from ..decompositions.tensor_networks import GAUGES, NETWORKS, bond_ranks
 from ..layers.einsort_linear import EinSortLinear
 from .base import Method, register_method
@@ -48,6 +49,8 @@ class EinSort(Method):
     name = "einsort"
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 0.5
+    remedy = ("a larger rank, network='svd', more n_iter_max, or nonnegative=False (a sorted non-negative fit of "
+              "a random-like weight can be worse than zeros at low rank)")
     option_defaults = {
         "network": "svd", "sort": "shared", "group": 8, "sort_dim": "in", "mapping": ["pow", 0.5],
         "reduction": "prod", "nonnegative": True, "gauge": "auto", "fold": None, "factor_dtype": None,
@@ -195,7 +198,7 @@ class EinSort(Method):
             out[name] = (layer, {
                 "rank": rank if isinstance(rank, int) else list(rank),
                 "ranks": bond_ranks(o["network"], lay["fold"], rank),
-                "rel_error": round((torch.linalg.vector_norm(w - approx) / torch.linalg.vector_norm(w)).item(), 6),
+                "rel_error": relative_error(w, approx),
                 "bytes": layer.nbytes(), "dense_bytes": dense_bytes, "byte_ratio": round(layer.nbytes() / dense_bytes, 6),
                 "bytes_factors": st["factors"], "bytes_perm": st["perm"], "bytes_signs": st["signs"],
                 "bytes_pivots": st["pivots"],

@@ -95,6 +95,7 @@ class TensorLLM(Method):
     name = "tensorllm"
     default_targets = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     default_rank = None
+    remedy = "larger ranks or a smaller ratio"
     option_defaults = {"ranks": None, "ratio": None, "n_iter_max": 50, "tol": 1e-4, "init": "svd", "seed": 0}
 
     def validate_options(self, options):

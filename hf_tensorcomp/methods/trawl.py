@@ -76,6 +76,8 @@ def stack(weights: dict[str, torch.Tensor], plan: dict[str, tuple[bool, int]], h
 class Trawl(Method):
     name = "trawl"
     default_rank = 64
+    remedy = ("a smaller rank (CP-ALS above the tensor's rank diverges), decomposition='tucker' (HOOI is stable), "
+              "or init='random'")
     option_defaults = {"decomposition": "cp", "group": "fc", "formulation": "per_layer",
                        "n_iter_max": 100, "tol": 1e-6, "init": "svd", "seed": 0}
 
