@@ -53,7 +53,7 @@ def _context(model: nn.Module) -> Context:
     return Context(config=cfg, prefix=prefix, n_layers=len(layer_list))
 
 
-def plan(model: nn.Module, config: TensorCompressionConfig) -> list[tuple[int, list[str]]]:
+def plan(model: nn.Module, config: TensorCompressionConfig, check_units: bool = True) -> list[tuple[int, list[str]]]:
     """Validate every entry against the (possibly meta) model and list the work.
 
     Returns ``[(entry index, [module names relative to the layer list, e.g. "3.mlp.up_proj"]), ...]``,
@@ -91,7 +91,8 @@ def plan(model: nn.Module, config: TensorCompressionConfig) -> list[tuple[int, l
             )
         for unit in method.units(entry, sorted(per_layer), len(layer_list)):
             names = [n for li in unit for n in per_layer[li]]
-            method.check_unit({n: layer_list.get_submodule(n) for n in names}, entry, ctx)
+            if check_units:
+                method.check_unit({n: layer_list.get_submodule(n) for n in names}, entry, ctx)
             work.append((k, names))
     return work
 
@@ -142,7 +143,12 @@ def factored_specs(model: nn.Module) -> dict[str, dict]:
 
 
 def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: torch.dtype | None = None) -> None:
-    """Replace modules by empty factored ones (on the meta device) as recorded in the saved config."""
+    """Replace modules by empty factored ones (on the meta device) as recorded in the saved config.
+
+    Every spec is checked first against the model and the config's entries (`checks.check_specs`):
+    only modules a method could have written, with the fields and rules of that method.
+    """
+    checks.check_specs(model, config, plan(model, config, check_units=False))
     specs = sorted(config.compressed_modules.items(), key=lambda kv: layer_build_order(kv[1]))
     for name, spec in specs:
         try:
@@ -163,5 +169,10 @@ def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: tor
         old_w = getattr(old, "weight", None)
         dt = dtype or (old_w.dtype if old_w is not None else next(model.parameters()).dtype)
         with torch.device("meta"):
-            new = build_from_spec(spec, dtype=dt, root=model)
+            new = build_from_spec(spec, dtype=dt, root=model, name=name)
+        for dim in ("in_features", "out_features"):
+            if old is not None and getattr(new, dim) != getattr(old, dim):
+                raise ValueError(f"compressed_modules[{name!r}]: builds a module with {dim}={getattr(new, dim)}, the model's "
+                                 f"has {getattr(old, dim)}; the checkpoint's config.json is corrupt or edited")
         _set_module(model, name, new)
+    checks.check_references(model, config.compressed_modules)

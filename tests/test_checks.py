@@ -70,3 +70,143 @@ def test_all_zero_weight_compresses_exactly(tiny_dirs, tmp_path):
     c = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=TensorCompressionConfig(
         method="laser", rank=2, targets=["mlp.down_proj"], layers=[0], progress=False))
     assert c.config.quantization_config.stats["modules"]["model.layers.0.mlp.down_proj"]["rel_error"] == 0.0
+
+
+# -- reload: every spec validated, every factor present, finite, and valid -----------------------------------
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import json  # noqa: E402
+
+
+def compressed(src, dst, **cfg):
+    m = AutoModelForCausalLM.from_pretrained(src, quantization_config=TensorCompressionConfig(progress=False, **cfg))
+    m.save_pretrained(dst)
+    return m
+
+
+def edit_config(d, fn):
+    p = d / "config.json"
+    cfg = json.loads(p.read_text())
+    fn(cfg["quantization_config"]["compressed_modules"])
+    p.write_text(json.dumps(cfg))
+
+
+def edit_tensors(d, fn):
+    p = d / "model.safetensors"
+    tensors = load_file(p)
+    fn(tensors)
+    save_file(tensors, p, metadata={"format": "pt"})
+
+
+@pytest.fixture
+def laser_ckpt(tiny_dirs, tmp_path):
+    compressed(tiny_dirs["llama"], tmp_path, rank=4, targets=["mlp.*"])
+    return tmp_path
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing", r"model\.layers\.0\.mlp\.up_proj\.weight: missing from the checkpoint"),
+    ("unexpected", r"model\.layers\.0\.mlp\.up_proj\.lora_B: unexpected in the checkpoint"),
+    ("wrong_shape", r"model\.layers\.0\.mlp\.up_proj\.weight: the checkpoint holds shape \[3, 144\]"),
+    ("nan", r"model\.layers\.0\.mlp\.up_proj\.weight: the checkpoint's factor holds NaN/Inf"),
+    ("inf_bias_free", r"model\.layers\.1\.mlp\.down_proj\.weight: the checkpoint's factor holds NaN/Inf"),
+])
+def test_corrupt_factor_tensors_refused(laser_ckpt, case, match):
+    def fn(t):
+        if case == "missing":
+            del t["model.layers.0.mlp.up_proj.weight"]
+        elif case == "unexpected":
+            t["model.layers.0.mlp.up_proj.lora_B"] = torch.zeros(3)
+        elif case == "wrong_shape":
+            t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:3].clone()
+        elif case == "nan":
+            t["model.layers.0.mlp.up_proj.weight"][1, 2] = float("nan")
+        else:
+            t["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
+    edit_tensors(laser_ckpt, fn)
+    with pytest.raises(ValueError, match=match):
+        AutoModelForCausalLM.from_pretrained(laser_ckpt)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c.__setitem__("lm_head", {"layer": "lowrank", "in_features": 48, "out_features": 0, "rank": 1, "bias": False}),
+     r"compressed_modules\['lm_head'\]: no factorized entry of this config targets that module"),
+    (lambda c: c["model.layers.0.mlp.up_proj"].pop("rank"), r"compressed_modules\['model\.layers\.0\.mlp\.up_proj'\]\.rank: missing"),
+    (lambda c: c["model.layers.0.mlp.up_proj"].__setitem__("rank", "4"),
+     r"compressed_modules\['model\.layers\.0\.mlp\.up_proj'\]\.rank: got '4'; allowed: an int >= 1"),
+    (lambda c: c["model.layers.0.mlp.up_proj"].__setitem__("layer", "tensor_slice"),
+     r"\.layer: got 'tensor_slice'; allowed: 'lowrank'"),
+    (lambda c: c["model.layers.0.mlp.up_proj"].__setitem__("in_features", 96),
+     r"compressed_modules\['model\.layers\.0\.mlp\.up_proj'\]\.in_features: checkpoint says 96, model has 48"),
+    (lambda c: c.__setitem__("model.layers.0.mlp.up_proj", [1, 2]), r"up_proj'\]\.layer: got None; allowed: 'lowrank'"),
+])
+def test_edited_specs_refused(laser_ckpt, edit, match):
+    edit_config(laser_ckpt, edit)
+    with pytest.raises(ValueError, match=match):
+        AutoModelForCausalLM.from_pretrained(laser_ckpt)
+
+
+def test_trawl_slice_pointed_at_another_layers_factors_refused(tiny_dirs, tmp_path):
+    compressed(tiny_dirs["llama"], tmp_path, method="trawl", rank=4, layers=[0, 1])
+    edit_config(tmp_path, lambda c: c["model.layers.1.mlp.up_proj"].__setitem__("factors", "model.layers.0.mlp.trawl_factors"))
+    with pytest.raises(ValueError, match=r"compressed_modules\['model\.layers\.1\.mlp\.up_proj'\]\.factors: got "
+                                         r"'model\.layers\.0\.mlp\.trawl_factors'; allowed: 'model\.layers\.1\.mlp\.trawl_factors'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_trawl_orphan_or_swapped_slices_refused(tiny_dirs, tmp_path):
+    compressed(tiny_dirs["llama"], tmp_path, method="trawl", rank=4, layers=[0])
+
+    def swap(c):
+        c["model.layers.0.mlp.up_proj"]["index"], c["model.layers.0.mlp.gate_proj"]["index"] = 0, 1
+    edit_config(tmp_path, swap)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.(up|gate)_proj'\]\.index: got [01]; allowed: [01]"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_tensorllm_role_edit_refused(tiny_dirs, tmp_path):
+    compressed(tiny_dirs["llama"], tmp_path, method="tensorllm", ranks=[8, 8, 2], layers=[0])
+    edit_config(tmp_path, lambda c: c["model.layers.0.self_attn.k_proj"].__setitem__("role", "q"))
+    with pytest.raises(ValueError, match=r"self_attn\.k_proj'\]\.role: got 'q'; allowed: 'k'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.fixture
+def einsort_ckpt(tiny_dirs, tmp_path):
+    compressed(tiny_dirs["llama"], tmp_path, method="einsort", rank=4, targets=["mlp.up_proj"], layers=[0])
+    return tmp_path
+
+
+def test_einsort_mapping_edit_refused(einsort_ckpt):
+    edit_config(einsort_ckpt, lambda c: c["model.layers.0.mlp.up_proj"]["einsort"].__setitem__("mapping", ["pow", 0.25]))
+    with pytest.raises(ValueError, match=r"up_proj'\]\.einsort\.mapping: got \['pow', 0\.25\]; allowed: \['pow', 0\.5\]"):
+        AutoModelForCausalLM.from_pretrained(einsort_ckpt)
+
+
+def test_einsort_malformed_layout_refused(einsort_ckpt):
+    edit_config(einsort_ckpt, lambda c: c["model.layers.0.mlp.up_proj"]["einsort"].__setitem__("core_shapes", [[3]]))
+    with pytest.raises(ValueError, match=r"up_proj'\]\.einsort: not a valid EinSort layout"):
+        AutoModelForCausalLM.from_pretrained(einsort_ckpt)
+
+
+def test_einsort_corrupt_permutation_refused(einsort_ckpt):
+    edit_tensors(einsort_ckpt, lambda t: t["model.layers.0.mlp.up_proj.perm"].fill_(255))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj: the stored permutation indices are not permutations"):
+        AutoModelForCausalLM.from_pretrained(einsort_ckpt)
+
+
+def test_pickle_weights_never_loaded(laser_ckpt, tmp_path_factory):
+    # a compressed checkpoint whose weights come as a pickle that would run code when unpickled
+    marker = tmp_path_factory.mktemp("marker") / "unpickled"
+    (laser_ckpt / "model.safetensors").unlink()
+    code = f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')"
+
+    class Evil:
+        def __reduce__(self):
+            return (exec, (code,))
+    import pickle
+    (laser_ckpt / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Evil()}))
+    with pytest.raises((ValueError, OSError)):
+        AutoModelForCausalLM.from_pretrained(laser_ckpt)
+    assert not marker.exists()

@@ -37,7 +37,7 @@ from ..decompositions import einsort as es
 from ..decompositions import relative_error
 from ..decompositions.tensor_networks import GAUGES, NETWORKS, bond_ranks
 from ..layers.einsort_linear import EinSortLinear
-from .base import Method, register_method
+from .base import Method, register_method, spec_fail
 
 SORTS = ("shared", "full", "none")
 SORT_DIMS = ("in", "out")
@@ -49,6 +49,7 @@ class EinSort(Method):
     name = "einsort"
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 0.5
+    layer_types = ("einsort_linear",)
     remedy = ("a larger rank, network='svd', more n_iter_max, or nonnegative=False (a sorted non-negative fit of "
               "a random-like weight can be worse than zeros at low rank)")
     option_defaults = {
@@ -159,6 +160,22 @@ class EinSort(Method):
                     least = (over + es.network_bytes(o["network"], lay["fold"], 1, lay["gauge"], fdtype)) / dense
                     fail("rank", entry.rank, f"a byte fraction >= {least:.3f} for {where} with sort={o['sort']!r}: the "
                           f"permutation{' and sign' if o['nonnegative'] else ''} bits alone take {over / dense:.3f} of its dense bytes")
+
+    def check_spec(self, name, spec, entry, unit, ctx):
+        o, old = entry.options, unit[name]
+        lay = self._layout(old.out_features, old.in_features, o)
+        want = {"transposed": o["sort_dim"] == "out", "scaled": o["activation_scales"] is not None,
+                "factor_dtype": o["factor_dtype"]}
+        for field, value in want.items():
+            if spec[field] != value:
+                spec_fail(name, field, spec[field], value, entry)
+        meta = spec["einsort"]
+        want = {"network": o["network"], "mapping": list(o["mapping"]), "reduction": o["reduction"],
+                "nonnegative": o["nonnegative"], "shape": list(lay["shape"]), "sort_axis": lay["sort_axis"]}
+        for field, value in want.items():
+            if meta.get(field) != value:
+                spec_fail(name, f"einsort.{field}", meta.get(field), value, entry)
+        return None
 
     def compress(self, modules, entry, ctx):
         o = entry.options

@@ -18,6 +18,7 @@ class Laser(Method):
     name = "laser"
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 0.5
+    layer_types = ("lowrank",)
     remedy = "another rank (a truncated SVD of a finite weight is never worse than zeros: check the weight)"
 
     def check_unit(self, modules, entry, ctx):
