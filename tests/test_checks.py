@@ -5,7 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
+from hf_tensorcomp import surgery
 from hf_tensorcomp.checks import check_outputs
+from hf_tensorcomp.methods.einsort import save_activation_scales
 from hf_tensorcomp.config import Entry
 from tiny import _tiny
 
@@ -37,13 +39,51 @@ def test_non_finite_dense_weight_refused_naming_module(name, value, tmp_path):
         AutoModelForCausalLM.from_pretrained(src, quantization_config=TensorCompressionConfig(progress=False, **METHOD_CFGS[name]))
 
 
-@pytest.mark.parametrize("rank", [200, 500])
-def test_trawl_cp_divergence_refused(rank, tiny_dirs):
-    # CP-ALS far above the tensor's rank: NaN factors (500) or an error worse than zeros (200); before: saved silently
-    cfg = TensorCompressionConfig(method="trawl", rank=rank, layers=[0], progress=False)
-    with pytest.raises(ValueError, match=rf"compressing model\.layers\.0\.mlp\.trawl_factors .*rank={rank}") as e:
-        AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
-    assert "model.layers.0.mlp.up_proj" in str(e.value) and "Try a smaller rank" in str(e.value)
+@pytest.fixture
+def meta_llama():
+    with torch.device("meta"):  # what surgery.plan sees before any weight loads
+        return _tiny("llama")
+
+
+def scales_file(path, vectors):
+    save_activation_scales(vectors, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    # TRAWL CP far above the tensor's rank: NaN factors (500) or an error of 6.06 (200) were saved silently
+    (dict(method="trawl", rank=200), r"rank: got CP rank 200; allowed: at most 144 for this 3 x 96 x 48 tensor"),
+    (dict(method="trawl", rank=500, layers=[0]), r"rank: got CP rank 500; allowed: at most 144"),
+    (dict(method="tensorllm", ratio=1e9), r"ratio: got 1000000000.0; allowed: at most 93.1 for layer 0"),
+    (dict(method="einsort", network="cp", rank=1000), r"rank: got 1000; allowed: at most 48 for network 'cp' on model\.layers\.0"),
+    (dict(method="einsort", network="cp", rank=[1000]), r"rank: got \[1000\]; allowed: at most 48"),
+])
+def test_checks_run_before_weights_load(meta_llama, cfg, match):
+    with pytest.raises(ValueError, match=match):
+        surgery.plan(meta_llama, TensorCompressionConfig(progress=False, **cfg))
+
+
+def test_activation_scales_checked_before_weights_load(meta_llama, tmp_path):
+    good = {f"model.layers.{i}.mlp.up_proj": torch.ones(48) for i in range(3)}
+    cases = {
+        "missing": ({"model.layers.0.mlp.up_proj": torch.ones(48)}, r"it has none for model\.layers\.1\.mlp\.up_proj"),
+        "length": ({**good, "model.layers.2.mlp.up_proj": torch.ones(47)},
+                   r"for model\.layers\.2\.mlp\.up_proj a finite float vector of length 48 .*got shape \[47\]"),
+        "nan": ({**good, "model.layers.1.mlp.up_proj": torch.full((48,), float("nan"))}, r"model\.layers\.1\.mlp\.up_proj a finite"),
+    }
+    for case, (vectors, match) in cases.items():
+        cfg = TensorCompressionConfig(method="einsort", rank=4, targets=["mlp.up_proj"], progress=False,
+                                      activation_scales=scales_file(tmp_path / f"{case}.safetensors", vectors))
+        with pytest.raises(ValueError, match=r"TensorCompressionConfig\.activation_scales: .*" + match):
+            surgery.plan(meta_llama, cfg)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_text("not a safetensors file")
+    cfg = TensorCompressionConfig(method="einsort", rank=4, targets=["mlp.up_proj"], activation_scales=str(bad), progress=False)
+    with pytest.raises(ValueError, match=r"activation_scales: .*allowed: a safetensors file written by save_activation_scales"):
+        surgery.plan(meta_llama, cfg)
+    ok = TensorCompressionConfig(method="einsort", rank=4, targets=["mlp.up_proj"], progress=False,
+                                 activation_scales=scales_file(tmp_path / "ok.safetensors", good))
+    assert len(surgery.plan(meta_llama, ok)) == 3
 
 
 def test_check_outputs_refuses_nan_factor_and_error_above_one():

@@ -139,6 +139,8 @@ class EinSort(Method):
 
     def check_unit(self, modules, entry, ctx):
         o = entry.options
+        if o["activation_scales"]:
+            _check_scales(o["activation_scales"], {f"{ctx.prefix}.{n}": m.in_features for n, m in modules.items()})
         for name, mod in modules.items():
             where = f"{ctx.prefix}.{name} ({mod.out_features}x{mod.in_features})"
             lay = self._layout(mod.out_features, mod.in_features, o)
@@ -151,6 +153,11 @@ class EinSort(Method):
                 fail("rank", entry.rank, f"an int in [1, {full}] for {where}, or a float byte fraction in (0, 1]")
             if isinstance(entry.rank, list):
                 bond_ranks(o["network"], lay["fold"], entry.rank)  # raises on a wrong count
+            most = math.prod(lay["fold"]) // max(lay["fold"])  # no tensor of this shape has a higher CP rank
+            top = max(entry.rank) if isinstance(entry.rank, list) else entry.rank
+            if o["network"] == "cp" and isinstance(top, int) and top > most:
+                fail("rank", entry.rank, f"at most {most} for network 'cp' on {where} folded to {tuple(lay['fold'])} "
+                      "(the largest CP rank a tensor of that shape can have)")
             if isinstance(entry.rank, float):
                 fdtype = _factor_dtype(o, mod.weight.dtype)
                 dense = mod.out_features * mod.in_features * torch.empty(0, dtype=fdtype).element_size()
@@ -234,7 +241,23 @@ def _factor_dtype(o: dict, weight_dtype: torch.dtype) -> torch.dtype:
 def _load_scales(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(path)
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own error types for a file that is not one
+        fail("activation_scales", path, f"a safetensors file written by save_activation_scales ({type(e).__name__}: {e})")
+
+
+def _check_scales(path: str, widths: dict[str, int]) -> None:
+    """Before any weight loads: the scales file has a finite, positive-length vector of the right size per module."""
+    scales = _load_scales(path)
+    for name, n in widths.items():
+        if name not in scales:
+            fail("activation_scales", path, f"a file with one vector per compressed module; it has none for {name} "
+                 f"({len(scales)} vectors, e.g. {sorted(scales)[:2]})")
+        s = scales[name]
+        if tuple(s.shape) != (n,) or not s.is_floating_point() or not bool(torch.isfinite(s).all()):
+            fail("activation_scales", path, f"for {name} a finite float vector of length {n} (its in_features); "
+                 f"got shape {list(s.shape)}, dtype {s.dtype}")
 
 
 @torch.no_grad()

@@ -143,6 +143,13 @@ class TensorLLM(Method):
                     raise ValueError(f"tensorllm: {ctx.prefix}.{name} is {got[0]}x{got[1]}, expected {want[0]}x{want[1]} "
                                      f"from the config (hidden {d}, {h} heads, {kv} KV heads, head_dim {hd}); "
                                      "allowed: standard multi-head / grouped-query projections")
+            ratio = entry.options["ratio"]
+            if ratio is not None:
+                m = len(roles)
+                original = sum(modules[n].weight.numel() for n in roles.values())
+                most = original / param_count(d, hd, m, h, (1, 1, 1))
+                if ratio > most:
+                    fail("ratio", ratio, f"at most {most:.1f} for layer {layer} (ranks (1, 1, 1) already)")
             r = entry.options["ranks"]
             if r is not None and (r[0] > d or r[1] > hd or r[2] > len(roles)):
                 raise ValueError(f"TensorCompressionConfig.ranks: got {tuple(r)}; allowed: at most ({d}, {hd}, {len(roles)}) "

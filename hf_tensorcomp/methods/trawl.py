@@ -130,6 +130,11 @@ class Trawl(Method):
             raise ValueError(f"trawl: group {entry.options['group']!r} found only {sorted(modules)}; allowed: a group of at least 2 matrices")
         (out_dim, in_dim), _ = stacking_plan({k: tuple(m.weight.shape) for k, m in modules.items()}, _head_dim(ctx.config))
         r0, r1, r2 = self._ranks(entry, len(modules), out_dim, in_dim)
+        most = len(modules) * out_dim * in_dim // max(len(modules), out_dim, in_dim)
+        if entry.options["decomposition"] == "cp" and r0 > most:
+            raise ValueError(f"TensorCompressionConfig.rank: got CP rank {r0}; allowed: at most {most} for this "
+                             f"{len(modules)} x {out_dim} x {in_dim} tensor (the largest CP rank a tensor of that shape can "
+                             "have: more cannot help, and CP-ALS above it diverges)")
         if entry.options["decomposition"] == "tucker" and (r0 > len(modules) or r1 > out_dim or r2 > in_dim):
             raise ValueError(f"TensorCompressionConfig.rank: got Tucker ranks {(r0, r1, r2)}; allowed: at most "
                              f"({len(modules)}, {out_dim}, {in_dim}) for this {len(modules)} x {out_dim} x {in_dim} tensor")
