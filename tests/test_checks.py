@@ -250,3 +250,15 @@ def test_pickle_weights_never_loaded(laser_ckpt, tmp_path_factory):
     with pytest.raises((ValueError, OSError)):
         AutoModelForCausalLM.from_pretrained(laser_ckpt)
     assert not marker.exists()
+
+
+def test_scaled_einsort_reloads_without_the_scales_file(tiny_dirs, tmp_path, ids):
+    # before: the saved config re-checked that the calibration file exists, so the checkpoint could not be
+    # reloaded anywhere else (or after the file was removed)
+    path = save_activation_scales({f"model.layers.{i}.mlp.up_proj": torch.rand(48) + 0.5 for i in range(3)},
+                                  tmp_path / "scales.safetensors")
+    m = compressed(tiny_dirs["llama"], tmp_path / "ckpt", method="einsort", rank=4, targets=["mlp.up_proj"],
+                   activation_scales=path)
+    (tmp_path / "scales.safetensors").unlink()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert torch.equal(again(ids).logits, m(ids).logits)

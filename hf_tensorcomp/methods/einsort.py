@@ -101,8 +101,10 @@ class EinSort(Method):
         if not isinstance(o["seed"], int) or isinstance(o["seed"], bool):
             fail("seed", o["seed"], "an int")
         path = o["activation_scales"]
-        if path is not None and (not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path)):
-            fail("activation_scales", path, "None or the path of an existing safetensors file of per-module scales "
+        # the file itself is read by check_unit (before any weight loads), not here: a saved compressed
+        # checkpoint keeps the path in its config and must reload where the file does not exist
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            fail("activation_scales", path, "None or the path of a safetensors file of per-module scales "
                   "(hf_tensorcomp.methods.einsort.save_activation_scales)")
         if path is not None:
             o["activation_scales"] = str(path)
@@ -241,6 +243,9 @@ def _factor_dtype(o: dict, weight_dtype: torch.dtype) -> torch.dtype:
 def _load_scales(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    if not os.path.isfile(path):
+        fail("activation_scales", path, "None or the path of an existing safetensors file of per-module scales "
+             "(hf_tensorcomp.methods.einsort.save_activation_scales)")
     try:
         return load_file(path)
     except Exception as e:  # safetensors raises its own error types for a file that is not one
