@@ -16,6 +16,7 @@ from __future__ import annotations
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 
 from .. import checks, surgery
+from .io import make_save_atomic
 from ..config import QUANT_METHOD, TensorCompressionConfig
 
 register_quantization_config(QUANT_METHOD)(TensorCompressionConfig)
@@ -53,6 +54,7 @@ class TensorCompQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        make_save_atomic(model)  # save_pretrained writes a temporary folder and swaps it in
         if self.pre_quantized:
             checks.check_loaded(model)  # factors finite, EinSort indices valid
         else:
