@@ -9,7 +9,7 @@ from hf_tensorcomp import surgery
 from hf_tensorcomp.checks import check_outputs
 from hf_tensorcomp.methods.einsort import save_activation_scales
 from hf_tensorcomp.config import Entry
-from tiny import _tiny
+from tiny import _tiny, rel_err
 
 METHOD_CFGS = {
     "laser": dict(method="laser", rank=4),
@@ -282,3 +282,52 @@ def test_factors_bitwise_identical_across_thread_counts(cfg):
         torch.set_num_threads(before)
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+# -- architectures: refused before weights load, or handled exactly ---------------------------------------
+
+def _meta(build):
+    with torch.device("meta"):
+        return build()
+
+
+def test_unsupported_models_refused_before_weights_load():
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = TensorCompressionConfig(method="laser", rank=4, targets=["mlp.*"], progress=False)
+    gpt2 = _meta(lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=101, bos_token_id=0, eos_token_id=0)))
+    bert = _meta(lambda: BertForMaskedLM(BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                                    intermediate_size=64, vocab_size=101)))
+    for m in (gpt2, bert):
+        with pytest.raises(ValueError, match=rf"{type(m).__name__}: no decoder-layer list .* supports decoder-only"):
+            surgery.plan(m, cfg)
+    moe = _meta(lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, vocab_size=101)))
+    for targets in (["mlp.*"], ["mlp.experts.*"]):  # fused expert tensors are not nn.Linear
+        with pytest.raises(ValueError, match=r"targets: pattern\(s\) .* match no Linear module .* allowed: .*self_attn\.q_proj"):
+            surgery.plan(moe, TensorCompressionConfig(method="laser", rank=4, targets=targets, progress=False))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["phi3", "gpt_neox"])
+def test_fused_qkv_models_compress_exactly_at_full_rank(arch, tmp_path):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "phi3":  # qkv_proj and gate_up_proj fused
+        m = Phi3ForCausalLM(Phi3Config(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
+        target = "self_attn.qkv_proj"
+    else:  # query_key_value fused
+        m = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4))
+        target = "attention.query_key_value"
+    m.eval().save_pretrained(tmp_path / "dense")
+    x = torch.randint(0, 101, (1, 7))
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=TensorCompressionConfig(
+        method="laser", rank=1.0, targets=[target], progress=False))
+    assert len(full.config.quantization_config.compressed_modules) == 2
+    assert rel_err(full(x).logits, m(x).logits) < 1e-4
+    full.save_pretrained(tmp_path / "c")
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "c")(x).logits, full(x).logits)
