@@ -108,11 +108,11 @@ def factories(model, recipe) -> list[dict]:
     for family, kw in recipe["contenders"].items():
         for r in recipe["ratios"]:
             out.append({"name": f"{family}@{r:g}", "family": family, "ratio": r,
-                        "make": (lambda kw=kw, r=r: EinSortCache(model.config, rank=float(r), segment=PREFILL, residual=0, **kw))})
+                        "make": (lambda kw=kw, r=r: EinSortCache(model.config, rank=float(r), segment=PREFILL, residual=0, low_memory=True, **kw))})
     for family, kw in recipe.get("fp16_contenders", {}).items():
         for r in recipe.get("fp16_ratios", recipe["ratios"]):
             out.append({"name": f"{family}@{r:g}", "family": family, "ratio": r,
-                        "make": (lambda kw=kw, r=r: EinSortCache(model.config, rank=float(r), segment=PREFILL, residual=0,
+                        "make": (lambda kw=kw, r=r: EinSortCache(model.config, rank=float(r), segment=PREFILL, residual=0, low_memory=True,
                                                                  dtype=torch.float16, **kw))})
     for backend, nbits in recipe.get("quantized", []):
         out.append({"name": f"{backend}-{nbits}bit", "family": f"{backend}", "ratio": None, "nbits": nbits,

@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,7 +65,7 @@ def cmd_compress(args) -> int:
     import torch
     import transformers
 
-    from . import TensorCompressionConfig, write_model_card
+    from . import TensorCompressionConfig
     from .integration.hub import push_to_hub
 
     cfg = TensorCompressionConfig(method=args.method, rank=args.rank, target=args.target, targets=args.targets,
@@ -99,26 +97,36 @@ def cmd_compress(args) -> int:
         results = {f"perplexity ({args.text} eval split, ctx {args.context_length}, stride {min(args.stride, args.context_length)}, "
                    f"{args.max_eval_tokens} tokens)": round(report["ppl"], 3),
                    "dense perplexity, same setting": round(report["dense_ppl"], 3)}
-    # write atomically: a temp folder beside the target, renamed into place when complete
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        write_model_card(model, tmp, results, base_model=args.model)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    if not _write_out(out, args.overwrite, model, tok, results, args.model):
+        return 2
     report["dense_bytes"] = _dir_bytes(src) if os.path.isdir(src) else None
     report["bytes"] = _dir_bytes(out)
     if args.push_to_hub:
         report["hub_url"] = str(push_to_hub(model, args.push_to_hub, tokenizer=tok, results=results, base_model=args.model))
     _print_report(report)
-    (out / "compression_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    tmp = out / ".compression_report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, out / "compression_report.json")
     return 0
+
+
+def _write_out(out: Path, overwrite: bool, model, tok, results, base_model) -> bool:
+    """Write the folder atomically (a temporary sibling swapped in whole; see `integration.io.atomic_dir`).
+
+    Without ``--overwrite``, of several runs racing into one ``--out`` only the first to finish succeeds.
+    """
+    from . import write_model_card
+    from .integration.io import atomic_dir
+
+    try:
+        with atomic_dir(out, overwrite=overwrite) as tmp:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            write_model_card(model, tmp, results, base_model=base_model)
+    except FileExistsError as e:
+        print(f"--out: {e}; nothing was written", file=sys.stderr)
+        return False
+    return True
 
 
 def _print_report(r: dict) -> None:

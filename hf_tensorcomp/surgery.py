@@ -6,7 +6,9 @@ Plain torch: works on any model whose decoder layers sit in one ``nn.ModuleList`
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import os
 import time
 from dataclasses import replace
 
@@ -15,6 +17,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .calibration.data import describe
+from . import checks
 from .config import TensorCompressionConfig
 from .layers import FactorizedModule, build_from_spec, layer_build_order
 from .methods import get_method
@@ -54,7 +57,7 @@ def _context(model: nn.Module) -> Context:
     return Context(config=cfg, prefix=prefix, n_layers=len(layer_list))
 
 
-def plan(model: nn.Module, config: TensorCompressionConfig) -> list[tuple[int, list[str]]]:
+def plan(model: nn.Module, config: TensorCompressionConfig, check_units: bool = True) -> list[tuple[int, list[str]]]:
     """Validate every entry against the (possibly meta) model and list the work.
 
     Returns ``[(entry index, [module names relative to the layer list, e.g. "3.mlp.up_proj"]), ...]``,
@@ -92,7 +95,8 @@ def plan(model: nn.Module, config: TensorCompressionConfig) -> list[tuple[int, l
             )
         for unit in method.units(entry, sorted(per_layer), len(layer_list)):
             names = [n for li in unit for n in per_layer[li]]
-            method.check_unit({n: layer_list.get_submodule(n) for n in names}, entry, ctx)
+            if check_units:
+                method.check_unit({n: layer_list.get_submodule(n) for n in names}, entry, ctx)
             work.append((k, names))
     return work
 
@@ -100,6 +104,25 @@ def plan(model: nn.Module, config: TensorCompressionConfig) -> list[tuple[int, l
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+@contextlib.contextmanager
+def fixed_threads():
+    """Run decompositions on a fixed number of CPU threads (env ``HF_TENSORCOMP_THREADS``, default 1).
+
+    The float sums inside SVD, CP-ALS and HOOI are split by thread, and the iterative ones amplify the
+    difference (TRAWL Tucker factors differed by 1.5e-2 between 1 and 2 threads), so a fixed count is
+    what makes the same seed give bitwise identical factors whatever ``torch.set_num_threads`` says.
+    """
+    value = os.environ.get("HF_TENSORCOMP_THREADS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"HF_TENSORCOMP_THREADS: got {value!r}; allowed: an int >= 1 (CPU threads for decompositions)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(value))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None) -> dict:
@@ -141,7 +164,12 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         entry = config.entries[k]
         unit_ctx = replace(ctx, stats=stats, ranks=allocation.get(k, {}).get("rungs"))
         mods = {n: layer_list.get_submodule(n) for n in names}
-        for name, (new, st) in methods[k].compress(mods, entry, unit_ctx).items():
+        method = methods[k]
+        checks.check_inputs(mods, prefix)
+        with fixed_threads():
+            result = method.compress(mods, entry, unit_ctx)
+        checks.check_outputs(result, mods, prefix, entry, method.remedy)
+        for name, (new, st) in result.items():
             if entry.mode == "dense":
                 new = new.to_dense()  # None for containers of shared factors: nothing to add
                 if new is None:
@@ -255,7 +283,12 @@ def factored_specs(model: nn.Module) -> dict[str, dict]:
 
 
 def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: torch.dtype | None = None) -> None:
-    """Replace modules by empty factored ones (on the meta device) as recorded in the saved config."""
+    """Replace modules by empty factored ones (on the meta device) as recorded in the saved config.
+
+    Every spec is checked first against the model and the config's entries (`checks.check_specs`):
+    only modules a method could have written, with the fields and rules of that method.
+    """
+    checks.check_specs(model, config, plan(model, config, check_units=False))
     specs = sorted(config.compressed_modules.items(), key=lambda kv: layer_build_order(kv[1]))
     for name, spec in specs:
         try:
@@ -276,5 +309,10 @@ def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: tor
         old_w = getattr(old, "weight", None)
         dt = dtype or (old_w.dtype if old_w is not None else next(model.parameters()).dtype)
         with torch.device("meta"):
-            new = build_from_spec(spec, dtype=dt, root=model)
+            new = build_from_spec(spec, dtype=dt, root=model, name=name)
+        for dim in ("in_features", "out_features"):
+            if old is not None and getattr(new, dim) != getattr(old, dim):
+                raise ValueError(f"compressed_modules[{name!r}]: builds a module with {dim}={getattr(new, dim)}, the model's "
+                                 f"has {getattr(old, dim)}; the checkpoint's config.json is corrupt or edited")
         _set_module(model, name, new)
+    checks.check_references(model, config.compressed_modules)

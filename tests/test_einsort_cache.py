@@ -123,7 +123,7 @@ def test_reorder_and_batch_ops_move_rows_exactly(llama, padded):
 # ------------------------------------------------------------------------------------------------
 
 def test_nbytes_is_what_the_cache_holds(llama, padded):
-    cache = EinSortCache(llama.config, network="tt", rank=3, segment=4, residual=2)
+    cache = EinSortCache(llama.config, network="tt", rank=3, segment=4, residual=2, low_memory=True)
     llama.generate(**padded, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
     parts = cache.storage()
     assert all(parts[k] > 0 for k in ("factors", "pivots", "perm", "signs", "window"))
@@ -279,3 +279,37 @@ def test_gemma3_real_lossless_global_layers_compressed():
 def test_bad_settings_name_the_field(llama, kwargs, field):
     with pytest.raises(ValueError, match=rf"EinSortCache\.{field}: got .*; allowed: "):
         EinSortCache(llama.config, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# time: a segment is rebuilt once (unless low_memory); budgets checked at construction
+# ------------------------------------------------------------------------------------------------
+
+def test_each_segment_rebuilt_once_unless_low_memory(llama, padded, monkeypatch):
+    from hf_tensorcomp.cache.einsort_cache import PackedSegment
+
+    calls = []
+    real = PackedSegment.reconstruct
+    monkeypatch.setattr(PackedSegment, "reconstruct", lambda self, dtype=None: calls.append(id(self)) or real(self, dtype))
+    outs, counts = {}, {}
+    for low in (False, True):
+        calls.clear()
+        cache = EinSortCache(llama.config, network="tt", rank=3, segment=4, residual=2, low_memory=low)
+        outs[low] = llama.generate(**padded, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        counts[low] = (len(calls), len(set(calls)))
+        parts = cache.storage()
+        assert parts["total"] == cache.nbytes() == nbytes_of(held_tensors(cache.layers))
+        assert (parts["rebuilt"] > 0) is (not low)
+    assert torch.equal(outs[False], outs[True])  # same tokens either way
+    assert counts[False][0] == counts[False][1]  # before: every step rebuilt every segment
+    assert counts[True][0] > 2 * counts[True][1]
+
+
+def test_budget_too_small_fails_at_construction(llama):
+    # before: only when the first segment filled, mid-generate
+    with pytest.raises(ValueError, match=r"EinSortCache\.rank: got 0\.01; allowed: a byte fraction >= .* 2 x 4 x 8 segment of float32"):
+        EinSortCache(llama.config, rank=0.01, segment=4, residual=0)
+    cache = EinSortCache(None, rank=0.01, segment=4, residual=100)  # no config: at the first forward, before any token
+    with pytest.raises(ValueError, match=r"EinSortCache\.rank: got 0\.01"):
+        llama(torch.tensor([[1, 2]]), past_key_values=cache)
+    EinSortCache(llama.config, rank=0.5, segment=4, residual=0)

@@ -31,8 +31,10 @@ Per full-attention layer (`EinSortLayer`), for keys and values alike::
 - Each compressed segment is held packed, exactly as `EinSortTensor.to_dict` gives it: factor
   entries at the factor dtype (block-identity blocks left out), pivot indices, permutation indices
   and sign bits bit-packed in uint8 tensors. `nbytes()` is the sum of those tensors plus the window
-  (and the ordinary layers' states), so it is what the cache holds; every step unpacks and
-  reconstructs them (like `QuantizedLayer` dequantizes every step).
+  (and the ordinary layers' states), so it is what the cache holds. A segment is unpacked and
+  rebuilt once, when attention first needs it, and kept (``storage()["rebuilt"]``); with
+  ``low_memory=True`` nothing rebuilt is kept and every step rebuilds all segments (like
+  `QuantizedLayer` dequantizes every step).
 - Batch rows are compressed independently (one fit per row and segment), so beam reordering,
   `batch_repeat_interleave` and `batch_select_indices` are exact: they re-index the rows' lists.
   Padded positions are cached like any other (their attention mask still hides them).
@@ -43,6 +45,7 @@ Per full-attention layer (`EinSortLayer`), for keys and values alike::
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -84,11 +87,12 @@ class EinSortCacheSettings:
     dtype: torch.dtype | None = None
     steps: int = 0
     n_iter_max: int = 100
+    low_memory: bool = False
 
     @classmethod
     def build(cls, network="svd", rank=8, segment=64, residual=64, sort="shared", sort_span="channel",
               nonnegative=True, mapping=("pow", 0.5), reduction="prod", gauge="auto", dtype=None, steps=0,
-              n_iter_max=100) -> "EinSortCacheSettings":
+              n_iter_max=100, low_memory=False) -> "EinSortCacheSettings":
         if network not in NETWORKS:
             fail("network", network, " | ".join(map(repr, NETWORKS)))
         if is_int(rank):
@@ -129,9 +133,11 @@ class EinSortCacheSettings:
             fail("steps", steps, "an int >= 0 (Adam refinement steps per segment)")
         if not is_int(n_iter_max) or n_iter_max < 1:
             fail("n_iter_max", n_iter_max, "an int >= 1 (CP-ALS / HOOI iterations)")
+        if not isinstance(low_memory, bool):
+            fail("low_memory", low_memory, "True (rebuild the segments at every step) | False (keep each rebuilt segment)")
         return cls(network=network, rank=rank, segment=segment, residual=residual, sort=sort, sort_span=sort_span,
                    nonnegative=nonnegative, mapping=mapping, reduction=reduction, gauge=gauge, dtype=dtype,
-                   steps=steps, n_iter_max=n_iter_max)
+                   steps=steps, n_iter_max=n_iter_max, low_memory=low_memory)
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,29 +170,43 @@ class PackedSegment:
         return PackedSegment({k: t.to(device, non_blocking=True) for k, t in self.tensors.items()}, self.meta, self.shape)
 
 
-def compress_segment(x: torch.Tensor, settings: EinSortCacheSettings) -> PackedSegment:
-    """Compress one batch row's segment ``x`` (kv_heads, tokens, head_dim) with `einsort.fit`."""
-    h, t, d = x.shape
+def _segment_layout(h: int, t: int, d: int, settings: EinSortCacheSettings):
+    """(shape of the sorted view, sort_axis, reduce_over, fold) for an (h, t, d) segment."""
     # the view sorted along its axis `sort_axis`; the head axis (0) is reduced over for a shared permutation
-    sorted_view, sort_axis = (x.reshape(h, t * d), 1) if settings.sort_span == "segment" else (x, 2 if settings.sort_span == "token" else 1)
+    view, sort_axis = ((h, t * d), 1) if settings.sort_span == "segment" else ((h, t, d), 2 if settings.sort_span == "token" else 1)
     if settings.network == "svd":
         fold = (h * t, d)
     else:
         fold = tuple(s for s in (h, t, d) if s > 1)
         if len(fold) < 2:
             fold = (h * t, d)
-    sort_axis = None if settings.sort is None else sort_axis
-    reduce_over = 0 if settings.sort == "shared" else None
-    factor_dtype = settings.dtype or x.dtype
+    return view, None if settings.sort is None else sort_axis, 0 if settings.sort == "shared" else None, fold
+
+
+def segment_rank(shape: tuple[int, int, int], dtype: torch.dtype, settings: EinSortCacheSettings):
+    """The rank a (heads, tokens, head_dim) segment of states of `dtype` is fitted at; raises if the budget cannot hold it."""
     rank = settings.rank
     if isinstance(rank, float):  # a budget in bytes of the segment at the *states'* dtype (einsort.fit's is at the factor dtype)
-        overhead = einsort.overhead_bytes(sorted_view.shape, sort_axis, reduce_over, settings.nonnegative)
-        dense = x.numel() * x.element_size()
+        view, sort_axis, reduce_over, fold = _segment_layout(*shape, settings)
+        factor_dtype = settings.dtype or dtype
+        overhead = einsort.overhead_bytes(view, sort_axis, reduce_over, settings.nonnegative)
+        dense = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         rank = einsort.rank_for_budget(int(rank * dense), settings.network, fold, settings.gauge, factor_dtype, overhead)
         if rank is None:
             least = overhead + einsort.network_bytes(settings.network, fold, 1, settings.gauge, factor_dtype)
-            fail("rank", settings.rank, f"a byte fraction >= {least / dense:.4f} for this segment: the permutation and "
-                  f"sign bits alone take {overhead} of its {dense} dense bytes")
+            fail("rank", settings.rank, f"a byte fraction >= {least / dense:.4f} for a {shape[0]} x {shape[1]} x {shape[2]} "
+                  f"segment of {str(dtype).removeprefix('torch.')} states: the permutation and sign bits alone take "
+                  f"{overhead} of its {dense} dense bytes")
+    return rank
+
+
+def compress_segment(x: torch.Tensor, settings: EinSortCacheSettings) -> PackedSegment:
+    """Compress one batch row's segment ``x`` (kv_heads, tokens, head_dim) with `einsort.fit`."""
+    h, t, d = x.shape
+    view, sort_axis, reduce_over, fold = _segment_layout(h, t, d, settings)
+    sorted_view = x.reshape(view)
+    factor_dtype = settings.dtype or x.dtype
+    rank = segment_rank((h, t, d), x.dtype, settings)
     approx = einsort.fit(sorted_view, settings.network, rank, sort_axis=sort_axis, reduce_over=reduce_over,
                          mapping=settings.mapping, reduction=settings.reduction, nonnegative=settings.nonnegative,
                          gauge=settings.gauge, fold=fold, dtype=factor_dtype, steps=settings.steps,
@@ -214,10 +234,14 @@ class EinSortLayer(DynamicLayer):
         self.settings = settings or EinSortCacheSettings()
         self.segments: list[list[tuple[PackedSegment, PackedSegment]]] = []
         self.cumulative_length = 0
+        self.rebuilt: tuple[torch.Tensor, torch.Tensor] | None = None  # segments rebuilt so far (unless low_memory)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        segment_rank((h, self.settings.segment, d), key_states.dtype, self.settings)  # a budget too small fails now
         super().lazy_initialization(key_states, value_states)
-        self.segments = [[] for _ in range(key_states.shape[0])]
+        self.segments = [[] for _ in range(b)]
+        self.rebuilt = None
 
     # -- reading ------------------------------------------------------------------------------
     @property
@@ -225,12 +249,25 @@ class EinSortLayer(DynamicLayer):
         return self.settings.segment * (len(self.segments[0]) if self.segments else 0)
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressed tokens as attention sees them: (batch, kv_heads, compressed_length, head_dim) each."""
+        """The compressed tokens as attention sees them: (batch, kv_heads, compressed_length, head_dim) each.
+
+        Each segment is rebuilt once and kept (`rebuilt`), unless ``low_memory``: then all are rebuilt every call.
+        """
+        done = 0 if self.rebuilt is None or self.settings.low_memory else self.rebuilt[0].shape[-2] // self.settings.segment
+        n = len(self.segments[0])
+        if done == n:
+            return self.rebuilt
         rows_k, rows_v = [], []
         for row in self.segments:
-            rows_k.append(torch.cat([k.reconstruct(self.dtype) for k, _ in row], dim=-2))
-            rows_v.append(torch.cat([v.reconstruct(self.dtype) for _, v in row], dim=-2))
-        return torch.stack(rows_k).to(self.device), torch.stack(rows_v).to(self.device)
+            rows_k.append(torch.cat([k.reconstruct(self.dtype) for k, _ in row[done:]], dim=-2))
+            rows_v.append(torch.cat([v.reconstruct(self.dtype) for _, v in row[done:]], dim=-2))
+        new_k, new_v = torch.stack(rows_k).to(self.device), torch.stack(rows_v).to(self.device)
+        if self.settings.low_memory:
+            return new_k, new_v
+        if done:
+            new_k, new_v = torch.cat([self.rebuilt[0], new_k], dim=-2), torch.cat([self.rebuilt[1], new_v], dim=-2)
+        self.rebuilt = (new_k, new_v)
+        return self.rebuilt
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -261,7 +298,7 @@ class EinSortLayer(DynamicLayer):
 
     # -- storage --------------------------------------------------------------------------------
     def storage(self) -> dict[str, int]:
-        """Bytes held: factors, pivots, perm, signs (packed), and the full-precision window."""
+        """Bytes held: factors, pivots, perm, signs (packed), the full-precision window, the rebuilt segments."""
         parts = {"factors": 0, "pivots": 0, "perm": 0, "signs": 0}
         for row in self.segments:
             for pair in row:
@@ -271,6 +308,7 @@ class EinSortLayer(DynamicLayer):
         parts["window"] = 0
         if self.is_initialized:
             parts["window"] = sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        parts["rebuilt"] = sum(t.numel() * t.element_size() for t in self.rebuilt or ())
         return parts
 
     def nbytes(self) -> int:
@@ -286,6 +324,8 @@ class EinSortLayer(DynamicLayer):
     # -- batch manipulation (exact: rows are independent) -----------------------------------------
     def _select_rows(self, idx: list[int]) -> None:
         self.segments = [list(self.segments[i]) for i in idx]
+        if self.rebuilt is not None:
+            self.rebuilt = tuple(t[torch.as_tensor(idx, device=t.device)] for t in self.rebuilt)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if not self.is_initialized:
@@ -325,15 +365,19 @@ class EinSortLayer(DynamicLayer):
         super().reset()
         self.segments = []
         self.cumulative_length = 0
+        self.rebuilt = None
 
     def offload(self):
         super().offload()
         self.segments = [[(k.to("cpu"), v.to("cpu")) for k, v in row] for row in self.segments]
+        self.rebuilt = None if self.rebuilt is None else tuple(t.to("cpu", non_blocking=True) for t in self.rebuilt)
 
     def prefetch(self):
         super().prefetch()
         if self.is_initialized:
             self.segments = [[(k.to(self.device), v.to(self.device)) for k, v in row] for row in self.segments]
+            if self.rebuilt is not None:
+                self.rebuilt = tuple(t.to(self.device, non_blocking=True) for t in self.rebuilt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,22 +420,39 @@ class EinSortCache(Cache):
             `einsort.fit`. gauge: ``"auto"`` (block identity where the network has one), ``None``,
             ``"canonical"`` or ``"block_identity"``.
         dtype: factor dtype (default: the states' dtype). steps / n_iter_max: `einsort.fit` settings.
+        low_memory: False (default): each compressed segment is rebuilt once, when attention first
+            needs it, and the rebuilt states are kept (time per token like `DynamicCache`; memory: the
+            packed segments plus the rebuilt ones, `storage()["rebuilt"]`). True: only the packed
+            segments are kept and all are rebuilt at every step (memory of the packed bytes, time per
+            token growing with the number of segments).
+
+    A float ``rank`` too small for one segment (the permutation and sign bits alone exceed it) fails
+    here, computed for the config's KV heads and head_dim at the config's dtype (float32 if unset);
+    without a config, at the first forward.
     """
 
     def __init__(self, config=None, network: str = "svd", rank: int | float = 8, segment: int = 64, residual: int = 64,
                  *, sort: str | None = "shared", sort_span: str = "channel", nonnegative: bool = True,
                  mapping=("pow", 0.5), reduction: str = "prod", gauge: str | None = "auto",
-                 dtype: torch.dtype | None = None, steps: int = 0, n_iter_max: int = 100):
+                 dtype: torch.dtype | None = None, steps: int = 0, n_iter_max: int = 100, low_memory: bool = False):
         self.settings = EinSortCacheSettings.build(network=network, rank=rank, segment=segment, residual=residual,
                                                    sort=sort, sort_span=sort_span, nonnegative=nonnegative,
                                                    mapping=mapping, reduction=reduction, gauge=gauge, dtype=dtype,
-                                                   steps=steps, n_iter_max=n_iter_max)
+                                                   steps=steps, n_iter_max=n_iter_max, low_memory=low_memory)
         if config is None:
             super().__init__(layer_class_to_replicate=functools.partial(EinSortLayer, self.settings))
             return
         if not hasattr(config, "get_text_config"):
             fail("config", type(config).__name__, "a transformers PreTrainedConfig (model.config) or None")
-        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        text = config.get_text_config(decoder=True)
+        heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+        head_dim = getattr(text, "head_dim", None) or (text.hidden_size // text.num_attention_heads
+                                                        if getattr(text, "num_attention_heads", None) else None)
+        if heads and head_dim:  # a budget too small for a segment fails here, not mid-generate
+            states = getattr(text, "dtype", None)
+            states = getattr(torch, states, None) if isinstance(states, str) else states
+            segment_rank((heads, segment, head_dim), states if isinstance(states, torch.dtype) else torch.float32, self.settings)
+        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text)
         layers = []
         for layer_type, kwargs in zip(layer_types, per_layer_kwargs):
             if layer_type == "full_attention":
@@ -406,8 +467,8 @@ class EinSortCache(Cache):
         return [i for i, layer in enumerate(self.layers) if isinstance(layer, EinSortLayer)]
 
     def storage(self) -> dict[str, int]:
-        """Bytes held, by part: factors, pivots, perm, signs, window (EinSort layers), other_layers, total."""
-        parts = {"factors": 0, "pivots": 0, "perm": 0, "signs": 0, "window": 0, "other_layers": 0}
+        """Bytes held, by part: factors, pivots, perm, signs, window, rebuilt (EinSort layers), other_layers, total."""
+        parts = {"factors": 0, "pivots": 0, "perm": 0, "signs": 0, "window": 0, "rebuilt": 0, "other_layers": 0}
         for layer in self.layers:
             if isinstance(layer, EinSortLayer):
                 for k, v in layer.storage().items():

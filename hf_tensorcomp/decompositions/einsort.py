@@ -349,6 +349,21 @@ class EinSortTensor:
                    perm=perm, mapping=(meta["mapping"][0], float(meta["mapping"][1])), reduction=meta["reduction"],
                    nonnegative=meta["nonnegative"], signs=tensors.get("signs"))
 
+    def check_indices(self) -> str | None:
+        """None if the stored indices are valid; else what is wrong (a corrupt permutation would make
+        `invert_permutation` scatter into uninitialised memory)."""
+        if self.perm is not None:
+            n = self.shape[self.sort_axis]
+            want = torch.arange(n, device=self.perm.device).view([n if i == self.sort_axis else 1 for i in range(self.perm.ndim)])
+            if not torch.equal(self.perm.sort(dim=self.sort_axis).values, want.expand_as(self.perm)):
+                return f"the stored permutation indices are not permutations of range({n})"
+        for core, piv in zip(self.network.cores, self.network.pivots):
+            if piv is not None:
+                rows = math.prod(core.shape[:-1])
+                if piv.numel() and (int(piv.max()) >= rows or piv.unique().numel() != piv.numel()):
+                    return f"the stored pivot indices are not distinct indices below {rows}"
+        return None
+
     def storage(self) -> dict[str, int]:
         """Bytes per part (factors, pivots, permutation, signs) and the total: the sizes of `to_dict`'s tensors."""
         specs = self.tensor_specs(self.meta())

@@ -26,7 +26,11 @@ def truncated_svd(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """||reference - approx||_F / ||reference||_F, in float32, rounded to 6 digits."""
     ref = reference.detach().float()
-    return round((torch.linalg.vector_norm(ref - approx.detach().float()) / torch.linalg.vector_norm(ref)).item(), 6)
+    diff, norm = torch.linalg.vector_norm(ref - approx.detach().float()), torch.linalg.vector_norm(ref)
+    if norm == 0:  # an all-zero weight: exact if the approximation is zero too
+        return 0.0 if diff == 0 else float("inf")
+    return round((diff / norm).item(), 6)
+
 
 
 def whitening_factor(gram: torch.Tensor, damping: float = 1e-4) -> torch.Tensor:

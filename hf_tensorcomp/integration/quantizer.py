@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 
-from .. import surgery
+from .. import checks, surgery
+from .io import make_save_atomic
 from ..config import QUANT_METHOD, TensorCompressionConfig
 
 register_quantization_config(QUANT_METHOD)(TensorCompressionConfig)
@@ -46,12 +47,17 @@ class TensorCompQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
             surgery.build_skeleton(model, self.quantization_config)
+            checks.check_checkpoint_tensors(model, self.quantization_config.compressed_modules,
+                                            kwargs.get("checkpoint_files"))
         else:
             self._work = surgery.plan(model, self.quantization_config)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        if not self.pre_quantized:
+        make_save_atomic(model)  # save_pretrained writes a temporary folder and swaps it in
+        if self.pre_quantized:
+            checks.check_loaded(model)  # factors finite, EinSort indices valid
+        else:
             if _is_offloaded(getattr(model, "hf_device_map", None)):
                 self.validate_environment(device_map=model.hf_device_map)
             surgery.compress_model(model, self.quantization_config, getattr(self, "_work", None))

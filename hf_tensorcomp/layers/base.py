@@ -23,10 +23,49 @@ def register_layer(cls):
     return cls
 
 
+def _is_int(x, lo: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+#: what a spec field may hold: (test, allowed text for the error)
+FIELD_KINDS = {
+    "int>=1": (lambda x: _is_int(x, 1), "an int >= 1"),
+    "int>=0": (lambda x: _is_int(x, 0), "an int >= 0"),
+    "bool": (lambda x: isinstance(x, bool), "true | false"),
+    "str": (lambda x: isinstance(x, str) and bool(x), "a module name"),
+    "ints>=1": (lambda x: isinstance(x, list) and bool(x) and all(_is_int(i, 1) for i in x), "a list of ints >= 1"),
+    "dict": (lambda x: isinstance(x, dict), "a dict"),
+}
+
+
 class FactorizedModule(nn.Module):
     layer_type: str = ""
     #: modules with a lower order are rebuilt first on reload (containers of shared factors: -1)
     build_order: int = 0
+    #: the fields `spec()` writes and their kinds (`FIELD_KINDS`), or a tuple of allowed values
+    spec_fields: dict = {}
+
+    @classmethod
+    def check_spec(cls, name: str, spec: dict) -> None:
+        """Raise ValueError naming the module and field if `spec` is not one this class writes."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"compressed_modules[{name!r}]: got {spec!r}; allowed: a dict written by hf_tensorcomp")
+        unknown = sorted(set(spec) - set(cls.spec_fields) - {"layer", "new"})
+        if unknown:
+            raise ValueError(f"compressed_modules[{name!r}]: unknown field(s) {unknown} for layer {cls.layer_type!r}; "
+                             f"allowed: {sorted(cls.spec_fields)}")
+        for field, kind in cls.spec_fields.items():
+            if field not in spec:
+                raise ValueError(f"compressed_modules[{name!r}].{field}: missing; the checkpoint's config.json is "
+                                 f"incomplete or edited (layer {cls.layer_type!r} needs {sorted(cls.spec_fields)})")
+            value = spec[field]
+            ok, allowed = (value in kind, " | ".join(map(repr, kind))) if isinstance(kind, tuple) else \
+                (FIELD_KINDS[kind][0](value), FIELD_KINDS[kind][1])
+            if not ok:
+                raise ValueError(f"compressed_modules[{name!r}].{field}: got {value!r}; allowed: {allowed}")
+        if spec.get("new", False) is not (cls.build_order < 0):
+            raise ValueError(f"compressed_modules[{name!r}].new: got {spec.get('new')!r}; allowed: "
+                             f"{cls.build_order < 0} for layer {cls.layer_type!r}")
 
     def spec(self) -> dict:
         raise NotImplementedError
@@ -54,7 +93,7 @@ class FactorizedModule(nn.Module):
 
 
 def _layer_class(spec: dict) -> type[FactorizedModule]:
-    kind = spec.get("layer")
+    kind = spec.get("layer") if isinstance(spec, dict) else None
     if kind not in LAYER_TYPES:
         raise ValueError(
             f"compressed_modules: unknown layer type {kind!r}; allowed: {sorted(LAYER_TYPES)} "
@@ -67,5 +106,9 @@ def layer_build_order(spec: dict) -> int:
     return _layer_class(spec).build_order
 
 
-def build_from_spec(spec: dict, dtype: torch.dtype | None = None, root: nn.Module | None = None) -> FactorizedModule:
-    return _layer_class(spec).from_spec(spec, dtype=dtype, root=root)
+def build_from_spec(spec: dict, dtype: torch.dtype | None = None, root: nn.Module | None = None,
+                    name: str = "?") -> FactorizedModule:
+    """The one way a saved spec becomes a module: checked (`check_spec`), then built empty."""
+    cls = _layer_class(spec)
+    cls.check_spec(name, spec)
+    return cls.from_spec(spec, dtype=dtype, root=root)

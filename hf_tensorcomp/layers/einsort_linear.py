@@ -38,6 +38,8 @@ class EinSortLinear(FactorizedModule):
     """
 
     layer_type = "einsort_linear"
+    spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "bias": "bool", "transposed": "bool",
+                   "scaled": "bool", "factor_dtype": (None, *_DTYPES), "einsort": "dict"}
 
     def __init__(self, in_features: int, out_features: int, meta: dict, transposed: bool = False, bias: bool = False,
                  scaled: bool = False, factor_dtype: str | None = None, dtype=None, device=None):
@@ -114,6 +116,31 @@ class EinSortLinear(FactorizedModule):
         return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
                 "bias": self.bias is not None, "transposed": self.transposed, "scaled": self.scaled,
                 "factor_dtype": self.factor_dtype, "einsort": self.meta}
+
+    @classmethod
+    def check_spec(cls, name: str, spec: dict) -> None:
+        """The generic field checks, then the EinSort layout: it must describe an out x in weight (tried on meta)."""
+        super().check_spec(name, spec)
+        meta = spec["einsort"]
+        try:
+            specs = EinSortTensor.tensor_specs(meta)
+            tensors = {k: torch.empty(shape, dtype=dt, device="meta") for k, (shape, dt) in specs.items()}
+            numel = EinSortTensor.from_dict(tensors, meta).reconstruct().numel()
+        except Exception as e:  # any malformed field: KeyError, TypeError, ValueError, RuntimeError, ...
+            raise ValueError(f"compressed_modules[{name!r}].einsort: not a valid EinSort layout ({type(e).__name__}: {e}); "
+                             "the checkpoint's config.json is corrupt or edited") from None
+        if numel != spec["in_features"] * spec["out_features"]:
+            raise ValueError(f"compressed_modules[{name!r}].einsort.shape: got {meta['shape']}; allowed: a layout of "
+                             f"{spec['out_features']} x {spec['in_features']} entries")
+
+    def validate_loaded(self, name: str) -> None:
+        """After loading: stored permutation and pivot indices must be valid (else the rebuild reads garbage)."""
+        try:
+            problem = self.fitted().check_indices()
+        except (RuntimeError, IndexError) as e:  # pivots out of range or repeated: the blocks cannot be put back
+            problem = f"the stored pivot indices cannot be unpacked ({e})"
+        if problem:
+            raise ValueError(f"{name}: {problem}; the checkpoint is corrupt (re-create or re-download it)")
 
     @classmethod
     def from_spec(cls, spec: dict, dtype=None, root=None) -> "EinSortLinear":

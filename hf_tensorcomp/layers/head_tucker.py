@@ -38,6 +38,7 @@ ROLES = ("q", "k", "v", "o")
 class HeadTuckerFactors(FactorizedModule):
     layer_type = "head_tucker_factors"
     build_order = -1
+    spec_fields = {"d_model": "int>=1", "head_dim": "int>=1", "n_heads": "int>=1", "ranks": "ints>=1"}
 
     def __init__(self, d_model: int, head_dim: int, n_heads: int, ranks: tuple[int, int, int], dtype=None, device=None):
         super().__init__()
@@ -72,6 +73,8 @@ class HeadTuckerProjection(FactorizedModule):
     """One of q_proj / k_proj / v_proj / o_proj, read from a `HeadTuckerFactors`; stands in for ``nn.Linear``."""
 
     layer_type = "head_tucker_projection"
+    spec_fields = {"factors": "str", "role": ROLES, "n_rep": "int>=1", "in_features": "int>=1", "out_features": "int>=1",
+                   "bias": "bool"}
 
     def __init__(self, factors: HeadTuckerFactors, factors_name: str, role: str, n_rep: int = 1, bias: bool = False,
                  dtype=None, device=None):

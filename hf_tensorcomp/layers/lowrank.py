@@ -21,6 +21,7 @@ class LowRankLinear(FactorizedModule):
     """
 
     layer_type = "lowrank"
+    spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "rank": "int>=1", "bias": "bool"}
 
     def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, dtype=None, device=None):
         super().__init__()

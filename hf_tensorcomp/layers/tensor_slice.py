@@ -36,6 +36,7 @@ KINDS = ("cp", "tucker")
 class SharedFactors(FactorizedModule):
     layer_type = "shared_factors"
     build_order = -1
+    spec_fields = {"kind": KINDS, "n_slices": "int>=1", "out_dim": "int>=1", "in_dim": "int>=1", "ranks": "ints>=1"}
 
     def __init__(self, kind: str, n_slices: int, out_dim: int, in_dim: int, ranks: tuple[int, int, int], dtype=None, device=None):
         super().__init__()
@@ -76,6 +77,8 @@ class TensorSlice(FactorizedModule):
     """
 
     layer_type = "tensor_slice"
+    spec_fields = {"factors": "str", "index": "int>=0", "transposed": "bool", "n_rep": "int>=1", "head_dim": "int>=1",
+                   "in_features": "int>=1", "out_features": "int>=1", "bias": "bool"}
 
     def __init__(self, factors: SharedFactors, factors_name: str, index: int, transposed: bool = False,
                  n_rep: int = 1, head_dim: int = 1, bias: bool = False, dtype=None, device=None):

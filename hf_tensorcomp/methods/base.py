@@ -38,6 +38,12 @@ def check_solver_options(o: dict) -> None:
         fail("seed", o["seed"], "an int")
 
 
+def spec_fail(name: str, field: str, got: Any, want: Any, entry) -> None:
+    """The error for a saved spec that disagrees with the entry that (supposedly) wrote it."""
+    raise ValueError(f"compressed_modules[{name!r}].{field}: got {got!r}; allowed: {want!r} (what method {entry.method!r} "
+                     "writes for this config entry); the checkpoint's config.json is corrupt or edited")
+
+
 def get_method(name: Any) -> "Method":
     if name not in METHODS:
         raise ValueError(f"TensorCompressionConfig.method: got {name!r}; allowed: {' | '.join(map(repr, sorted(METHODS)))}")
@@ -66,8 +72,12 @@ class Method:
     uses_rank: bool = True
     #: method-specific options and their defaults; `validate_options` rejects anything else
     option_defaults: dict[str, Any] = {}
+    #: what to try when a result is refused (non-finite, or no better than zeros): ends the error message
+    remedy: str = "another rank"
     #: module types this method can replace (leaf modules matched by `targets`)
     target_types: tuple[type, ...] = (nn.Linear,)
+    #: `FactorizedModule.layer_type`s this method puts in place of a target (not counting shared-factor containers)
+    layer_types: tuple[str, ...] = ()
 
     def validate_options(self, options: dict) -> dict:
         unknown = sorted(set(options) - set(self.option_defaults))
@@ -118,6 +128,16 @@ class Method:
 
     def check_unit(self, modules: dict[str, nn.Module], entry, ctx: Context) -> None:
         """Raise ValueError if `entry` cannot be applied (called on the meta model, before any weight loads)."""
+
+    def check_spec(self, name: str, spec: dict, entry, unit: dict[str, nn.Module], ctx: Context) -> str | None:
+        """Raise ValueError if a saved `spec` for module `name` is not what this method writes for `entry`.
+
+        `unit`: {full name: the dense module it replaces (on meta)} for the modules compressed together
+        with `name` (one unit of `surgery.plan`), in compression order.
+
+        Returns the full name of the shared-factors container the module reads, or None.
+        """
+        return None
 
     def compress(self, modules: dict[str, nn.Module], entry, ctx: Context) -> dict[str, tuple[nn.Module, dict]]:
         """Compress one unit. Returns, per name, the new module and a stats dict (at least ``rel_error``)."""

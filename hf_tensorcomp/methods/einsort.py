@@ -35,9 +35,10 @@ from torch import nn
 
 from ..validation import fail, choices, is_int
 from ..decompositions import einsort as es
+from ..decompositions import relative_error
 from ..decompositions.tensor_networks import GAUGES, NETWORKS, bond_ranks
 from ..layers.einsort_linear import EinSortLinear
-from .base import Method, register_method
+from .base import Method, register_method, spec_fail
 
 SORTS = ("shared", "full", "none")
 SORT_DIMS = ("in", "out")
@@ -50,6 +51,9 @@ class EinSort(Method):
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = None
     default_target = 0.5
+    layer_types = ("einsort_linear",)
+    remedy = ("a larger rank, network='svd', more n_iter_max, or nonnegative=False (a sorted non-negative fit of "
+              "a random-like weight can be worse than zeros at low rank)")
     option_defaults = {
         "network": "svd", "sort": "shared", "group": 8, "sort_dim": "in", "mapping": ["pow", 0.5],
         "reduction": "prod", "nonnegative": True, "gauge": "auto", "fold": None, "factor_dtype": None,
@@ -99,8 +103,10 @@ class EinSort(Method):
         if not isinstance(o["seed"], int) or isinstance(o["seed"], bool):
             fail("seed", o["seed"], "an int")
         path = o["activation_scales"]
-        if path is not None and (not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path)):
-            fail("activation_scales", path, "None or the path of an existing safetensors file of per-module scales "
+        # the file itself is read by check_unit (before any weight loads), not here: a saved compressed
+        # checkpoint keeps the path in its config and must reload where the file does not exist
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            fail("activation_scales", path, "None or the path of a safetensors file of per-module scales "
                   "(hf_tensorcomp.methods.einsort.save_activation_scales)")
         if path is not None:
             o["activation_scales"] = str(path)
@@ -147,6 +153,8 @@ class EinSort(Method):
 
     def check_unit(self, modules, entry, ctx):
         o = entry.options
+        if o["activation_scales"]:
+            _check_scales(o["activation_scales"], {f"{ctx.prefix}.{n}": m.in_features for n, m in modules.items()})
         for name, mod in modules.items():
             where = f"{ctx.prefix}.{name} ({mod.out_features}x{mod.in_features})"
             lay = self._layout(mod.out_features, mod.in_features, o)
@@ -159,6 +167,11 @@ class EinSort(Method):
                 fail("rank", entry.rank, f"an int in [1, {full}] for {where}, or target=<byte fraction in (0, 1)>")
             if isinstance(entry.rank, list):
                 bond_ranks(o["network"], lay["fold"], entry.rank)  # raises on a wrong count
+            most = math.prod(lay["fold"]) // max(lay["fold"])  # no tensor of this shape has a higher CP rank
+            top = max(entry.rank) if isinstance(entry.rank, list) else entry.rank
+            if o["network"] == "cp" and isinstance(top, int) and top > most:
+                fail("rank", entry.rank, f"at most {most} for network 'cp' on {where} folded to {tuple(lay['fold'])} "
+                      "(the largest CP rank a tensor of that shape can have)")
             if entry.target is not None:
                 fdtype = _factor_dtype(o, mod.weight.dtype)
                 dense = mod.out_features * mod.in_features * torch.empty(0, dtype=fdtype).element_size()
@@ -168,6 +181,22 @@ class EinSort(Method):
                     least = (over + es.network_bytes(o["network"], lay["fold"], 1, lay["gauge"], fdtype)) / dense
                     fail("target", entry.target, f"a byte fraction >= {least:.3f} for {where} with sort={o['sort']!r}: the "
                           f"permutation{' and sign' if o['nonnegative'] else ''} bits alone take {over / dense:.3f} of its dense bytes")
+
+    def check_spec(self, name, spec, entry, unit, ctx):
+        o, old = entry.options, unit[name]
+        lay = self._layout(old.out_features, old.in_features, o)
+        want = {"transposed": o["sort_dim"] == "out", "scaled": o["activation_scales"] is not None,
+                "factor_dtype": o["factor_dtype"]}
+        for field, value in want.items():
+            if spec[field] != value:
+                spec_fail(name, field, spec[field], value, entry)
+        meta = spec["einsort"]
+        want = {"network": o["network"], "mapping": list(o["mapping"]), "reduction": o["reduction"],
+                "nonnegative": o["nonnegative"], "shape": list(lay["shape"]), "sort_axis": lay["sort_axis"]}
+        for field, value in want.items():
+            if meta.get(field) != value:
+                spec_fail(name, f"einsort.{field}", meta.get(field), value, entry)
+        return None
 
     def compress(self, modules, entry, ctx):
         o = entry.options
@@ -207,7 +236,7 @@ class EinSort(Method):
             out[name] = (layer, {
                 "rank": rank if isinstance(rank, int) else list(rank),
                 "ranks": bond_ranks(o["network"], lay["fold"], rank),
-                "rel_error": round((torch.linalg.vector_norm(w - approx) / torch.linalg.vector_norm(w)).item(), 6),
+                "rel_error": relative_error(w, approx),
                 "bytes": layer.nbytes(), "dense_bytes": dense_bytes, "byte_ratio": round(layer.nbytes() / dense_bytes, 6),
                 "bytes_factors": st["factors"], "bytes_perm": st["perm"], "bytes_signs": st["signs"],
                 "bytes_pivots": st["pivots"],
@@ -226,7 +255,26 @@ def _factor_dtype(o: dict, weight_dtype: torch.dtype) -> torch.dtype:
 def _load_scales(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(path)
+    if not os.path.isfile(path):
+        fail("activation_scales", path, "None or the path of an existing safetensors file of per-module scales "
+             "(hf_tensorcomp.methods.einsort.save_activation_scales)")
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own error types for a file that is not one
+        fail("activation_scales", path, f"a safetensors file written by save_activation_scales ({type(e).__name__}: {e})")
+
+
+def _check_scales(path: str, widths: dict[str, int]) -> None:
+    """Before any weight loads: the scales file has a finite, positive-length vector of the right size per module."""
+    scales = _load_scales(path)
+    for name, n in widths.items():
+        if name not in scales:
+            fail("activation_scales", path, f"a file with one vector per compressed module; it has none for {name} "
+                 f"({len(scales)} vectors, e.g. {sorted(scales)[:2]})")
+        s = scales[name]
+        if tuple(s.shape) != (n,) or not s.is_floating_point() or not bool(torch.isfinite(s).all()):
+            fail("activation_scales", path, f"for {name} a finite float vector of length {n} (its in_features); "
+                 f"got shape {list(s.shape)}, dtype {s.dtype}")
 
 
 @torch.no_grad()

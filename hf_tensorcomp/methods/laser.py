@@ -42,6 +42,8 @@ class Laser(Method):
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 0.5
     supports_target = True
+    layer_types = ("lowrank",)
+    remedy = "another rank (a truncated SVD of a finite weight is never worse than zeros: check the weight)"
     option_defaults = {"whiten": False, "alpha": 0.5, "damping": 1e-4, "allocation": "global", "weighting": None}
 
     def validate_options(self, options):

@@ -29,7 +29,7 @@ import torch
 from ..validation import fail, is_int
 from ..decompositions import relative_error, tucker_hooi
 from ..layers import HeadTuckerFactors, HeadTuckerProjection
-from .base import Method, check_solver_options, register_method
+from .base import Method, check_solver_options, register_method, spec_fail
 
 ROLE_OF = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
 CONTAINER = "tensorllm_factors"
@@ -95,6 +95,8 @@ class TensorLLM(Method):
     name = "tensorllm"
     default_targets = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     default_rank = None
+    layer_types = ("head_tucker_projection",)
+    remedy = "larger ranks or a smaller ratio"
     option_defaults = {"ranks": None, "ratio": None, "n_iter_max": 50, "tol": 1e-4, "init": "svd", "seed": 0}
 
     def validate_options(self, options):
@@ -141,10 +143,27 @@ class TensorLLM(Method):
                     raise ValueError(f"tensorllm: {ctx.prefix}.{name} is {got[0]}x{got[1]}, expected {want[0]}x{want[1]} "
                                      f"from the config (hidden {d}, {h} heads, {kv} KV heads, head_dim {hd}); "
                                      "allowed: standard multi-head / grouped-query projections")
+            ratio = entry.options["ratio"]
+            if ratio is not None:
+                m = len(roles)
+                original = sum(modules[n].weight.numel() for n in roles.values())
+                most = original / param_count(d, hd, m, h, (1, 1, 1))
+                if ratio > most:
+                    fail("ratio", ratio, f"at most {most:.1f} for layer {layer} (ranks (1, 1, 1) already)")
             r = entry.options["ranks"]
             if r is not None and (r[0] > d or r[1] > hd or r[2] > len(roles)):
                 raise ValueError(f"TensorCompressionConfig.ranks: got {tuple(r)}; allowed: at most ({d}, {hd}, {len(roles)}) "
                                  f"for layer {layer}'s {d} x {hd} x {len(roles)} x {h} tensor")
+
+    def check_spec(self, name, spec, entry, unit, ctx):
+        d, hd, h, kv = attention_shape(ctx.config)
+        role = ROLE_OF.get(name.rpartition(".")[2])
+        want = {"factors": f"{name.rpartition('.')[0]}.{CONTAINER}", "role": role,
+                "n_rep": h // kv if role in ("k", "v") else 1}
+        for field, value in want.items():
+            if spec[field] != value:
+                spec_fail(name, field, spec[field], value, entry)
+        return want["factors"]
 
     def compress(self, modules, entry, ctx):
         opts = entry.options

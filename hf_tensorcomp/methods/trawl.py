@@ -25,7 +25,7 @@ import torch
 from ..validation import fail, choices, is_int
 from ..decompositions import cp_als, relative_error, tucker_hooi
 from ..layers import SharedFactors, TensorSlice
-from .base import Method, check_solver_options, register_method
+from .base import Method, check_solver_options, register_method, spec_fail
 
 DECOMPOSITIONS = ("cp", "tucker")
 GROUPS = {"qkvo": ("self_attn.*_proj",), "fc": ("mlp.*",)}
@@ -76,6 +76,9 @@ def stack(weights: dict[str, torch.Tensor], plan: dict[str, tuple[bool, int]], h
 class Trawl(Method):
     name = "trawl"
     default_rank = 64
+    layer_types = ("tensor_slice",)
+    remedy = ("a smaller rank (CP-ALS above the tensor's rank diverges), decomposition='tucker' (HOOI is stable), "
+              "or init='random'")
     option_defaults = {"decomposition": "cp", "group": "fc", "formulation": "per_layer",
                        "n_iter_max": 100, "tol": 1e-6, "init": "svd", "seed": 0}
 
@@ -127,9 +130,27 @@ class Trawl(Method):
             raise ValueError(f"trawl: group {entry.options['group']!r} found only {sorted(modules)}; allowed: a group of at least 2 matrices")
         (out_dim, in_dim), _ = stacking_plan({k: tuple(m.weight.shape) for k, m in modules.items()}, _head_dim(ctx.config))
         r0, r1, r2 = self._ranks(entry, len(modules), out_dim, in_dim)
+        most = len(modules) * out_dim * in_dim // max(len(modules), out_dim, in_dim)
+        if entry.options["decomposition"] == "cp" and r0 > most:
+            raise ValueError(f"TensorCompressionConfig.rank: got CP rank {r0}; allowed: at most {most} for this "
+                             f"{len(modules)} x {out_dim} x {in_dim} tensor (the largest CP rank a tensor of that shape can "
+                             "have: more cannot help, and CP-ALS above it diverges)")
         if entry.options["decomposition"] == "tucker" and (r0 > len(modules) or r1 > out_dim or r2 > in_dim):
             raise ValueError(f"TensorCompressionConfig.rank: got Tucker ranks {(r0, r1, r2)}; allowed: at most "
                              f"({len(modules)}, {out_dim}, {in_dim}) for this {len(modules)} x {out_dim} x {in_dim} tensor")
+
+    def check_spec(self, name, spec, entry, unit, ctx):
+        hd = _head_dim(ctx.config)
+        _, plan = stacking_plan({n: tuple(m.weight.shape) for n, m in unit.items()}, hd)
+        transposed, n_rep = plan[name]
+        want = {"factors": f"{next(iter(unit)).rpartition('.')[0]}.{CONTAINER}", "index": list(unit).index(name),
+                "transposed": transposed, "n_rep": n_rep}
+        if n_rep > 1:
+            want["head_dim"] = hd
+        for field, value in want.items():
+            if spec[field] != value:
+                spec_fail(name, field, spec[field], value, entry)
+        return want["factors"]
 
     def compress(self, modules, entry, ctx):
         opts = entry.options

@@ -1,0 +1,178 @@
+"""The checks every compression and every reload goes through, in one place.
+
+- `check_inputs` / `check_outputs`: around each unit `surgery.compress_model` compresses: dense
+  weights must be finite; every factor a method returns must be finite and every reconstruction
+  closer to its weight than the zero matrix is (relative error < 1). A failure names the module, the
+  setting and what to try, and stops before anything is saved.
+- `check_loaded`: after a compressed checkpoint's tensors load: every factor finite, every stored
+  EinSort permutation a permutation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import FactorizedModule
+from .layers.base import _layer_class
+
+
+def _setting(entry) -> str:
+    opts = {k: v for k, v in entry.options.items() if v is not None}
+    rank = "" if entry.rank is None else f"rank={entry.rank!r}, "
+    return f"method={entry.method!r}, {rank}" + ", ".join(f"{k}={v!r}" for k, v in opts.items())
+
+
+def _non_finite(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.device.type != "meta" and not bool(torch.isfinite(t).all())
+
+
+def check_inputs(modules: dict[str, nn.Module], prefix: str) -> None:
+    """Refuse dense weights holding NaN / Inf (no decomposition of them means anything)."""
+    for name, mod in modules.items():
+        for pname, p in mod.named_parameters(recurse=False):
+            if _non_finite(p):
+                n = int((~torch.isfinite(p)).sum())
+                raise ValueError(f"hf_tensorcomp: {prefix}.{name}.{pname}: the dense weight holds {n} NaN/Inf value(s); hf_tensorcomp "
+                                 "compresses only finite weights. Fix or re-download the checkpoint, or leave this "
+                                 "module out of `targets` / `layers`")
+
+
+def check_outputs(result: dict[str, tuple[nn.Module, dict]], modules: dict[str, nn.Module], prefix: str, entry,
+                  remedy: str) -> None:
+    """Refuse non-finite factors and reconstructions no better than the zero matrix, naming the module."""
+    for name, (module, stats) in result.items():
+        where = f"{prefix}.{name}"
+        if name not in modules:  # a container of factors shared by the unit's modules
+            where += f" (the factors shared by {', '.join(f'{prefix}.{n}' for n in modules)})"
+        bad = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if _non_finite(t)]
+        err = stats.get("rel_error")
+        if bad:
+            what = f"its factors ({', '.join(bad)}) hold NaN/Inf"
+        elif err is None or not err < 1.0:  # also NaN
+            what = (f"its relative error is {err} (>= 1: worse than replacing the weight by zeros)")
+        else:
+            continue
+        raise ValueError(f"hf_tensorcomp: compressing {where} with {_setting(entry)} failed: {what}; nothing "
+                         f"was kept. Try {remedy}")
+
+
+def check_loaded(model: nn.Module) -> None:
+    """After a compressed checkpoint loads: factors finite, EinSort permutations valid (names the module)."""
+    for name, mod in model.named_modules():
+        if not isinstance(mod, FactorizedModule):
+            continue
+        for tname, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+            if _non_finite(t):
+                raise ValueError(f"{name}.{tname}: the checkpoint's factor holds NaN/Inf; the checkpoint is corrupt "
+                                 "(re-create or re-download it)")
+        validate = getattr(mod, "validate_loaded", None)
+        if validate is not None:
+            validate(name)
+
+
+def check_specs(model: nn.Module, config, work) -> None:
+    """Every saved spec against the model and the config's entries, before any tensor is allocated.
+
+    `work` is `surgery.plan(model, config)`: the units of modules each entry targets. A replaced
+    module must be one a factorized entry targets, of a layer type that entry's method writes, and
+    follow the method's own rules (`Method.check_spec`, which also names the container of shared
+    factors the module must read, if any); a new module (shared factors) must be such a container.
+    """
+    from .methods import get_method
+    from .surgery import _context
+
+    ctx = _context(model)
+    owner = {}  # full module name -> (entry, full names of its unit), for the entries that keep factors
+    for k, names in work:
+        entry = config.entries[k]
+        if entry.mode == "factorized":
+            unit = {f"{ctx.prefix}.{n}": model.get_submodule(f"{ctx.prefix}.{n}") for n in names}
+            owner.update({n: (entry, unit) for n in unit})
+    if not isinstance(config.compressed_modules, dict):
+        raise ValueError("compressed_modules: not a dict; the checkpoint's config.json is corrupt")
+    containers = set()
+    for name, spec in config.compressed_modules.items():
+        if isinstance(spec, dict) and spec.get("new"):
+            continue
+        if name not in owner:
+            raise ValueError(f"compressed_modules[{name!r}]: no factorized entry of this config targets that module; "
+                             f"allowed: the modules its entries target ({len(owner)} in this model, e.g. "
+                             f"{sorted(owner)[:3]}); the checkpoint's config.json is corrupt or edited")
+        entry, unit = owner[name]
+        method = get_method(entry.method)
+        kind = spec.get("layer") if isinstance(spec, dict) else None
+        if kind not in method.layer_types:
+            raise ValueError(f"compressed_modules[{name!r}].layer: got {kind!r}; allowed: "
+                             f"{' | '.join(map(repr, method.layer_types))} (what method {entry.method!r} writes)")
+        _layer_class(spec).check_spec(name, spec)
+        containers.add(method.check_spec(name, spec, entry, unit, ctx))
+    for name, spec in config.compressed_modules.items():
+        if isinstance(spec, dict) and spec.get("new") and name not in containers:
+            raise ValueError(f"compressed_modules[{name!r}]: shared factors no compressed module of this config reads "
+                             f"from there; allowed: {sorted(c for c in containers if c)}; the checkpoint's config.json "
+                             "is corrupt or edited")
+
+
+def check_references(model: nn.Module, names) -> None:
+    """Shared factors and the modules that read them agree: each slice index / role exactly once, none unread."""
+    readers: dict[str, list] = {}
+    for name in names:
+        mod = model.get_submodule(name)
+        if hasattr(mod, "factors_name"):
+            readers.setdefault(mod.factors_name, []).append((name, mod))
+    for name in names:
+        mod = model.get_submodule(name)
+        if not hasattr(mod, "n_slices") and not hasattr(mod, "n_heads"):
+            continue
+        got = readers.get(name, [])
+        if hasattr(mod, "n_slices"):
+            keys, want, what = sorted(m.index for _, m in got), list(range(mod.n_slices)), "slice indices"
+        else:
+            keys, want, what = sorted(m.role for _, m in got), sorted({m.role for _, m in got}), "roles"
+            if len(keys) < mod.ranks[2]:
+                want = f"at least {mod.ranks[2]} distinct roles (R3)"
+        if not got or keys != want:
+            raise ValueError(f"compressed_modules[{name!r}]: read by {[n for n, _ in got]} with {what} {keys}; allowed: "
+                             f"{want} (each exactly once); the checkpoint's config.json is corrupt or edited")
+
+
+def check_checkpoint_tensors(model: nn.Module, names, checkpoint_files) -> None:
+    """Before any tensor loads: the checkpoint holds exactly the factors the skeleton expects, at their shapes.
+
+    Reads only the safetensors headers. A missing factor would otherwise load as uninitialised memory
+    (transformers lists it as MISSING and goes on); an extra tensor under a factored module means the
+    config.json and the weights do not belong together. Pickle-based files are refused, never opened.
+    """
+    from safetensors import safe_open
+
+    files = [str(f) for f in checkpoint_files or []]
+    for f in files:
+        if not f.endswith(".safetensors"):
+            raise ValueError(f"{f}: a compressed checkpoint is read only from .safetensors files (pickle-based "
+                             "weights are never loaded); re-save it with hf_tensorcomp")
+    if not files:
+        return
+    stored: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                stored[k] = tuple(h.get_slice(k).get_shape())
+    for name in names:
+        mod = model.get_submodule(name)
+        expected = {f"{name}.{k}": tuple(t.shape) for k, t in mod.named_parameters(recurse=False)}
+        expected.update({f"{name}.{k}": tuple(t.shape) for k, t in mod.named_buffers(recurse=False)
+                         if k not in mod._non_persistent_buffers_set})
+        for key, shape in expected.items():
+            if key not in stored:
+                raise ValueError(f"{key}: missing from the checkpoint (compressed_modules[{name!r}] needs it, shape "
+                                 f"{list(shape)}); the checkpoint is incomplete or corrupt")
+            if stored[key] != shape:
+                raise ValueError(f"{key}: the checkpoint holds shape {list(stored[key])}, compressed_modules[{name!r}] "
+                                 f"needs {list(shape)}; the config.json and the weights do not belong together")
+        extra = sorted(k for k in stored if k.startswith(name + ".") and k not in expected
+                       and "." not in k[len(name) + 1:])
+        if extra:
+            raise ValueError(f"{extra[0]}: unexpected in the checkpoint (compressed_modules[{name!r}] stores only "
+                             f"{sorted(k.rpartition('.')[2] for k in expected)}); the config.json and the weights do not "
+                             "belong together")
