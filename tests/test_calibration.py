@@ -171,7 +171,71 @@ def test_calibration_texts_windows_are_seeded_and_disjoint_from_eval():
     (dict(method="laser", calibration="wikipedia", calibration_samples=0), "calibration_samples"),
     (dict(method="laser", calibration="wikipedia", propagate="yes"), "propagate"),
     (dict(method="trawl", target=0.5), "target"),
+    (dict(method="laser", correct=True, calibration="wikipedia"), "correct"),
+    (dict(method="laser", weighting="hessian", calibration="wikipedia"), "weighting"),
 ])
 def test_bad_calibration_settings_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=f"TensorCompressionConfig.{match}"):
         TensorCompressionConfig(**kwargs)
+
+
+def test_error_correction_fits_the_dense_outputs():
+    """With C = X_denseᵀ X the whitened truncation of W C G⁻¹ matches W X_dense better than plain whitening."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(16, 10, generator=g, dtype=torch.float64)
+    xd = torch.randn(300, 10, generator=g, dtype=torch.float64)
+    x = xd + 0.3 * torch.randn(300, 10, generator=g, dtype=torch.float64)  # what the compressed model feeds in
+    s = whitening_factor(x.T @ x, damping=0.0)
+    target = w @ (xd.T @ x) @ torch.cholesky_inverse(s)
+    for r in (2, 5, 10):
+        uc, vc, _ = whitened_svd(target, r, s)
+        up, vp, _ = whitened_svd(w, r, s)
+        err = lambda u, v: torch.linalg.norm(xd @ w.T - x @ (u.double() @ v.double()).T)  # noqa: E731
+        assert err(uc, vc) < err(up, vp)
+    # at full rank it is the least-squares map, whose residual is orthogonal to the inputs
+    uc, vc, _ = whitened_svd(target, 10, s)
+    resid = xd @ w.T - x @ (uc.double() @ vc.double()).T
+    assert torch.linalg.norm(x.T @ resid) < 1e-5 * torch.linalg.norm(x.T @ xd @ w.T)  # factors are float32
+
+
+@torch.no_grad()
+def test_error_correction_exact_at_full_rank(tiny_dirs, ids):
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    full = load(tiny_dirs["llama"], method="laser", rank=1.0, whiten=True, correct=True, damping=0.0,
+                calibration=calib_ids(n=12, length=32), calibration_samples=12)  # more tokens than dims: G invertible
+    assert rel_err(full(ids).logits, dense(ids).logits) <= 1e-4
+
+
+@torch.no_grad()
+def test_cross_statistics_pair_dense_and_compressed_inputs(tiny_dirs):
+    """"cross" is X_denseᵀ X on the same tokens: the dense stream is carried beside the compressed one."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    prefix, layers = find_decoder_layers(model)
+    x = calib_ids()
+    runner = LayerwiseRunner(model, prefix, layers, x, batch_size=4)
+    name = "1.mlp.down_proj"
+    rows = {}
+
+    def grab(tag):
+        return layers[1].mlp.down_proj.register_forward_hook(
+            lambda m, a, o: rows.setdefault(tag, []).append(a[0].reshape(-1, a[0].shape[-1])))
+
+    h = grab("dense")
+    model(input_ids=x, use_cache=False)
+    h.remove()
+    seen = {}
+
+    def on_layer(li, stats):
+        seen.update(stats)
+        if li == 0:
+            layers[0].mlp.up_proj.weight.mul_(0.5)
+        return li == 0
+
+    runner.run({1: {name: frozenset({"gram", "cross"})}}, on_layer, last=1, progress=False)
+    h = grab("compressed")
+    model(input_ids=x, use_cache=False)
+    h.remove()
+    xd, xc = torch.cat(rows["dense"]).double(), torch.cat(rows["compressed"]).double()
+    assert torch.allclose(seen[name].cross, xd.T @ xc, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(seen[name].gram, xc.T @ xc, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(seen[name].cross, seen[name].gram, rtol=1e-3)

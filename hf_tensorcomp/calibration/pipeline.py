@@ -8,7 +8,9 @@
    runs over the calibration batches; a callback compresses the layer from them; the layer's outputs
    are recomputed with the compressed layer and become the next layer's inputs (``propagate=True``:
    later layers see, and their statistics correct for, earlier errors), or the dense outputs are used
-   (``propagate=False``).
+   (``propagate=False``). When a method asks for ``"cross"`` statistics, the dense model's hidden
+   states are carried along as a second stream, so each module's dense inputs can be paired with the
+   inputs it gets in the partly compressed model.
 
 Peak memory: the model, one layer's statistics and two copies of the hidden states of the
 calibration batch (samples x length x hidden, float of the model's dtype).
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .stats import ModuleStats, StatsHooks
+from .stats import InputCapture, ModuleStats, StatsHooks
 
 
 class _Stop(Exception):
@@ -87,8 +89,19 @@ class LayerwiseRunner:
         """Layers 0..last in order: gather `wanted[li]` ({module name under the layer list: kinds}),
         call ``on_layer(li, stats)`` (True if it changed the layer), move the hidden states on."""
         hidden = list(self.hidden)
+        # a second, dense stream only when some module asks for "cross" and the streams can differ
+        paired = propagate and any("cross" in k for w in wanted.values() for k in w.values())
+        dense = list(self.hidden) if paired else None
         for li in tqdm(range(last + 1), desc=desc, disable=not progress, unit="layer"):
-            hooks = StatsHooks(self.layers[li], {n: k - {"fisher"} for n, k in wanted.get(li, {}).items()}, f"{li}.")
+            want = {n: k - {"fisher"} for n, k in wanted.get(li, {}).items()}
+            dense_inputs = None
+            if paired:
+                cap = InputCapture(self.layers[li], [n for n, k in want.items() if "cross" in k], f"{li}.")
+                try:
+                    dense_out = self._forward(li, dense)
+                finally:
+                    dense_inputs = cap.close()
+            hooks = StatsHooks(self.layers[li], want, f"{li}.", dense_inputs)
             try:
                 out = self._forward(li, hidden)
             finally:
@@ -100,3 +113,5 @@ class LayerwiseRunner:
             if changed and propagate and li < last:
                 out = self._forward(li, hidden)
             hidden = out
+            if paired:
+                dense = dense_out

@@ -5,6 +5,9 @@ A method declares the *kinds* it needs (`Method.needs`); only those are gathered
 - ``"gram"``: XᵀX summed over every calibration token (float64, in x in) and the token count ``n``;
 - ``"abs_mean"``: mean |x| per input channel (ASVD's scale);
 - ``"inputs"``: the input rows themselves (float32, tokens x in) for methods that train on them;
+- ``"cross"``: X_denseᵀ X, the inputs the *dense* model gives this module against the inputs it gets
+  in the partly compressed model (same tokens), so a method can fit the dense outputs from the
+  inputs it will really see (error correction; needs ``propagate=True``, else it equals the Gram);
 - ``"fisher"``: the mean squared loss gradient of the module's *outputs* (`sensitivity.output_fisher`,
   one backward pass of the dense model; only for budget allocation).
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("gram", "abs_mean", "inputs", "fisher")
+KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross")
 
 
 class ModuleStats:
@@ -26,13 +29,18 @@ class ModuleStats:
         self.kinds = frozenset(kinds)
         self.n = 0
         self.gram: torch.Tensor | None = None
+        self.cross: torch.Tensor | None = None
         self._abs_sum: torch.Tensor | None = None
         self._inputs: list[torch.Tensor] = []
         self.fisher: torch.Tensor | None = None  # per output channel, set by the pipeline
 
-    def add(self, x: torch.Tensor, gram: torch.Tensor | None = None) -> None:
-        """x: (tokens, in) float32 rows; gram: its XᵀX if already computed for a sibling module."""
+    def add(self, x: torch.Tensor, gram: torch.Tensor | None = None, dense_x: torch.Tensor | None = None) -> None:
+        """x: (tokens, in) float32 rows; gram: its XᵀX if already computed for a sibling module;
+        dense_x: the dense model's inputs on the same tokens (for ``"cross"``; None: x itself)."""
         self.n += x.shape[0]
+        if "cross" in self.kinds:
+            c = (x.T @ x if dense_x is None else dense_x.T @ x).double().cpu()
+            self.cross = c if self.cross is None else self.cross.add_(c)
         if "gram" in self.kinds:
             g = (x.T @ x if gram is None else gram).double().cpu()
             self.gram = g if self.gram is None else self.gram.add_(g)
@@ -56,8 +64,11 @@ class ModuleStats:
 class StatsHooks:
     """Forward hooks filling `ModuleStats` for named submodules of one decoder layer."""
 
-    def __init__(self, layer: torch.nn.Module, wanted: dict[str, frozenset], layer_prefix: str):
+    def __init__(self, layer: torch.nn.Module, wanted: dict[str, frozenset], layer_prefix: str,
+                 dense_inputs: dict[str, list[torch.Tensor]] | None = None):
         self.stats = {name: ModuleStats(kinds) for name, kinds in wanted.items()}
+        self._dense = dense_inputs  # {name: [rows of batch 0, batch 1, ...]} from the dense stream
+        self._batch = {name: 0 for name in wanted}
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, its gram): shared by siblings
         self._handles = [
             layer.get_submodule(name[len(layer_prefix):]).register_forward_hook(self._hook(name)) for name in wanted
@@ -76,7 +87,11 @@ class StatsHooks:
                 else:
                     gram = x2.T @ x2
                     self._last = (x, gram)
-            st.add(x2, gram)
+            dense_x = None
+            if self._dense is not None and name in self._dense:
+                dense_x = self._dense[name][self._batch[name]]
+            self._batch[name] += 1
+            st.add(x2, gram, dense_x)
 
         return hook
 
@@ -85,3 +100,22 @@ class StatsHooks:
             h.remove()
         self._last = None
         return self.stats
+
+
+class InputCapture:
+    """Forward hooks keeping the input rows (float32) of named submodules, batch by batch."""
+
+    def __init__(self, layer: torch.nn.Module, names, layer_prefix: str):
+        self.rows: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        self._handles = [layer.get_submodule(n[len(layer_prefix):]).register_forward_hook(self._hook(n)) for n in names]
+
+    def _hook(self, name):
+        def hook(module, args, output):
+            x = args[0]
+            self.rows[name].append(x.detach().reshape(-1, x.shape[-1]).float())
+        return hook
+
+    def close(self) -> dict[str, list[torch.Tensor]]:
+        for h in self._handles:
+            h.remove()
+        return self.rows

@@ -9,6 +9,13 @@ S = chol(XᵀX + λI), SVD of W S, S⁻¹ folded into the right factor, so the d
 exactly the output error ‖(W - W') Xᵀ‖ on the calibration inputs; ``whiten="asvd"`` scales the input
 channels by mean|x|^alpha instead (ASVD). Both keep the factored forward exactly as cheap as plain SVD.
 
+``correct=True`` (with ``whiten=True``, ``propagate=True``): each matrix is fitted to the *dense*
+model's outputs from the inputs it really gets after the earlier layers were compressed —
+W' = argmin ‖W X_denseᵀ - W' Xᵀ‖² + λ‖W - W'‖² at rank r, i.e. the whitened truncation of
+W (C + λI)(G + λI)⁻¹ with C = X_denseᵀ X, G = XᵀX (λ: the whitening's damping; the ridge keeps the
+fit near W where the calibration data say little) — so each layer corrects part of the error the
+layers before it left.
+
 ``target=<fraction>`` instead of ``rank``: the targeted matrices keep that fraction of their weight
 parameters in total. ``allocation="global"`` (default) ranks every matrix against every other by the
 (whitened, if whitening) truncation loss each rank saves per parameter, relative to the matrix's
@@ -19,6 +26,8 @@ every matrix the same fraction.
 from __future__ import annotations
 
 import math
+
+import torch
 
 from ..decompositions import relative_error, truncated_svd
 from ..decompositions.svd import whitened_spectrum, whitened_svd, whitening_factor
@@ -44,7 +53,8 @@ class Laser(Method):
     supports_target = True
     layer_types = ("lowrank",)
     remedy = "another rank (a truncated SVD of a finite weight is never worse than zeros: check the weight)"
-    option_defaults = {"whiten": False, "alpha": 0.5, "damping": 1e-4, "allocation": "global", "weighting": None}
+    option_defaults = {"whiten": False, "alpha": 0.5, "damping": 1e-4, "allocation": "global", "weighting": None,
+                       "correct": False}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -57,20 +67,24 @@ class Laser(Method):
                 fail(key, o[key], "a number in [0, 10]")
         if o["weighting"] not in (None, "fisher"):
             fail("weighting", o["weighting"], "None | 'fisher' (weight each output channel's error by its mean squared loss gradient)")
+        if not isinstance(o["correct"], bool) or o["correct"] and o["whiten"] != "cholesky":
+            fail("correct", o["correct"], "False, or True together with whiten=True (fit the dense outputs from the "
+                 "compressed model's inputs: needs the input Gram)")
         if o["allocation"] not in ALLOCATIONS:
             fail("allocation", o["allocation"], choices(ALLOCATIONS))
         return o
 
     def needs(self, entry):
         kinds = {"cholesky": {"gram"}, "asvd": {"abs_mean"}}.get(entry.options["whiten"], set())
-        return frozenset(kinds | ({"fisher"} if entry.options["weighting"] else set()))
+        kinds |= {"fisher"} if entry.options["weighting"] else set()
+        return frozenset(kinds | ({"cross"} if entry.options["correct"] else set()))
 
     def allocates(self, entry):
         return entry.target is not None and entry.options["allocation"] != "uniform"
 
     def ladder_needs(self, entry):
         sensitive = entry.options["allocation"] == "global" and entry.options["whiten"] == "cholesky"
-        return self.needs(entry) | ({"fisher"} if sensitive else set())
+        return (self.needs(entry) - {"cross"}) | ({"fisher"} if sensitive else set())
 
     def check_unit(self, modules, entry, ctx):
         for name, module in modules.items():
@@ -127,7 +141,12 @@ class Laser(Method):
                 u, v = truncated_svd(w, r)
                 extra = {}
             else:
-                u, v, sv = whitened_svd(w, r, s, d)
+                target = w
+                if st is not None and st.cross is not None:  # error correction: fit W Xd from X (Xd: dense inputs)
+                    g = s @ s.T  # G + λI: the ridge pulls the fit towards W where the data says little
+                    lam_eye = g - st.gram
+                    target = w.detach().double() @ (st.cross + lam_eye) @ torch.cholesky_inverse(s)
+                u, v, sv = whitened_svd(target, r, s, d)
                 sv2 = sv.pow(2)
                 extra = {"rel_output_error": round(float((sv2[r:].sum() / sv2.sum()).sqrt()), 6)} if s is not None and s.ndim == 2 and d is None else {}
             out[name] = (LowRankLinear.from_factors(u, v, lin.bias, dtype=w.dtype),
