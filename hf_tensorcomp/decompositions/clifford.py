@@ -176,21 +176,33 @@ def vector_tables(n: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor, to
     return flip.to(device), left.to(device=device, dtype=dtype), right.to(device=device, dtype=dtype)
 
 
-def _vector_mul(x: torch.Tensor, a: torch.Tensor, n: int, side: str) -> torch.Tensor:
+def _vector_mul(x: torch.Tensor, a: torch.Tensor, n: int, side: str, dim: int) -> torch.Tensor:
+    """Σ_k a_k · (e_k x or x e_k): one gather of the n bit-flipped copies of x, then a weighted sum.
+
+    ``dim``: where the 2^n coefficients sit, -1 (``(..., 2^n)``) or -2 (``(..., 2^n, T)``: T columns,
+    e.g. tokens, sharing the rotor). With -2 every flipped copy is a run of contiguous T-rows, which
+    on CPU made the product 3x faster than with the coefficients last (0.19 vs 0.56 ms for 64 tokens,
+    3 rotors, n = 9); the layers use it."""
     flip, left, right = vector_tables(n, x.device, x.dtype)
-    sign = left if side == "left" else right
-    gathered = x[..., flip]  # (..., n, 2^n): x[c ^ 2^k]
-    return (gathered * (a[..., :, None] * sign)).sum(-2)
+    weights = a[..., :, None] * (left if side == "left" else right)  # (..., n, 2^n): a_k · sign_k(c)
+    d = 2**n
+    if dim == -2:
+        gathered = x.index_select(-2, flip.reshape(-1)).view(*x.shape[:-2], n, d, x.shape[-1])
+        return (gathered * weights[..., None]).sum(-3)
+    lead = torch.broadcast_shapes(x.shape[:-1], weights.shape[:-2])
+    x = x.expand(*lead, d)
+    gathered = x.gather(-1, flip.reshape(-1).expand(*lead, -1)).view(*lead, n, d)
+    return (gathered * weights).sum(-2)
 
 
-def left_vector_mul(x: torch.Tensor, a: torch.Tensor, n: int) -> torch.Tensor:
-    """a x for a vector ``a (..., n)`` and a multivector ``x (..., 2^n)``: O(n 2^n)."""
-    return _vector_mul(x, a, n, "left")
+def left_vector_mul(x: torch.Tensor, a: torch.Tensor, n: int, dim: int = -1) -> torch.Tensor:
+    """a x for a vector ``a (..., n)`` and a multivector ``x (..., 2^n)`` (or ``(..., 2^n, T)`` with dim=-2): O(n 2^n)."""
+    return _vector_mul(x, a, n, "left", dim)
 
 
-def right_vector_mul(x: torch.Tensor, a: torch.Tensor, n: int) -> torch.Tensor:
+def right_vector_mul(x: torch.Tensor, a: torch.Tensor, n: int, dim: int = -1) -> torch.Tensor:
     """x a for a vector ``a (..., n)``: O(n 2^n)."""
-    return _vector_mul(x, a, n, "right")
+    return _vector_mul(x, a, n, "right", dim)
 
 
 # ---------------------------------------------------------------------------------- simple exponentials
@@ -328,26 +340,33 @@ def invariant_decomposition(b: torch.Tensor, n: int, warm: torch.Tensor | None =
 # ------------------------------------------------------------------------------------------- sandwiches
 
 
-def rotor_left(x: torch.Tensor, r: SimpleRotors, n: int) -> torch.Tensor:
+def _scale(c: torch.Tensor, dim: int) -> torch.Tensor:
+    return c[..., None] if dim == -1 else c[..., None, None]
+
+
+def rotor_left(x: torch.Tensor, r: SimpleRotors, n: int, dim: int = -1) -> torch.Tensor:
     """r x for r = r_1 ⋯ r_k: r_k acts first; each r_i x = cos_i x + w_i (v_i x). O(k · n 2^n)."""
     for i in reversed(range(r.k)):
-        x = r.cos[..., i, None] * x + left_vector_mul(left_vector_mul(x, r.v[..., i, :], n), r.w[..., i, :], n)
+        vx = left_vector_mul(x, r.v[..., i, :], n, dim)
+        x = _scale(r.cos[..., i], dim) * x + left_vector_mul(vx, r.w[..., i, :], n, dim)
     return x
 
 
-def rotor_right_reverse(x: torch.Tensor, s: SimpleRotors, n: int) -> torch.Tensor:
+def rotor_right_reverse(x: torch.Tensor, s: SimpleRotors, n: int, dim: int = -1) -> torch.Tensor:
     """x s† for s = s_1 ⋯ s_k: s† = s_k† ⋯ s_1†, s_i† = cos_i - w_i v_i. O(k · n 2^n)."""
     for i in reversed(range(s.k)):
-        x = s.cos[..., i, None] * x - right_vector_mul(right_vector_mul(x, s.w[..., i, :], n), s.v[..., i, :], n)
+        xw = right_vector_mul(x, s.w[..., i, :], n, dim)
+        x = _scale(s.cos[..., i], dim) * x - right_vector_mul(xw, s.v[..., i, :], n, dim)
     return x
 
 
-def sandwich(x: torch.Tensor, r: SimpleRotors, n: int, s: SimpleRotors | None = None) -> torch.Tensor:
+def sandwich(x: torch.Tensor, r: SimpleRotors, n: int, s: SimpleRotors | None = None, dim: int = -1) -> torch.Tensor:
     """The rotor map x -> r x s† (s = r if not given: the grade-preserving r x r†) on full multivectors.
 
-    x: ``(..., 2^n)`` broadcast against the rotors' leading dims. Never builds a 2^n x 2^n matrix.
+    x: ``(..., 2^n)`` (dim=-1) or ``(..., 2^n, T)`` (dim=-2), its leading dims broadcast against the
+    rotors'. Never builds a 2^n x 2^n matrix.
     """
-    return rotor_right_reverse(rotor_left(x, r, n), r if s is None else s, n)
+    return rotor_right_reverse(rotor_left(x, r, n, dim), r if s is None else s, n, dim)
 
 
 def sandwich_reference(x: torch.Tensor, r: torch.Tensor, n: int, s: torch.Tensor | None = None) -> torch.Tensor:
