@@ -246,6 +246,11 @@ class RotorLinear(FactorizedModule):
             self._tables = (device, tables)
         return self._tables[1]
 
+    def _maps(self, xp: torch.Tensor, i: int, rotors) -> torch.Tensor:
+        """Every window pair's r x s† on its input window, ``xp (pairs, 2^n, T)`` -> same shape."""
+        left, right = rotors
+        return cl.sandwich(xp, left, self.levels[i].n, right, dim=-2)
+
     def _level(self, x: torch.Tensor, i: int, rotors, perm_row: int) -> torch.Tensor:
         """One rotor map (and its perm / LayerNorm / PReLU), features first: x (d_in, T) -> (d_out, T)."""
         lv = self.levels[i]
@@ -256,8 +261,7 @@ class RotorLinear(FactorizedModule):
             x = F.pad(x, (0, 0, 0, lv.chunk - lv.d_in))
         xc = x[in_idx]  # (m_in, c, T)
         xp = xc[None, :, None].expand(lv.branches, lv.m_in, lv.m_out, lv.chunk, t).reshape(-1, lv.chunk, t)
-        left, right = rotors
-        y = cl.sandwich(xp, left, lv.n, right, dim=-2) * alpha.reshape(-1, 1, 1)
+        y = self._maps(xp, i, rotors) * alpha.reshape(-1, 1, 1)
         y = y.view(lv.branches, lv.m_in, lv.m_out * lv.chunk, t).sum(1)
         out = y.new_zeros(lv.branches, count.shape[0], t).index_add_(1, out_idx.reshape(-1), y) / count[:, None]
         out = out[:, : lv.d_out]
