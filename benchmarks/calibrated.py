@@ -2,8 +2,8 @@
 
 For each model and each budget (`target`: the fraction of the decoder linears' weight parameters kept):
 plain SVD (uniform ranks, data-free), ASVD scaling, SVD-LLM whitening with uniform ranks, whitening with
-a global allocation (relative loss, and the default: Fisher-weighted loss), and the default without
-propagation; beside them optimum-quanto weight-only int8 / int4 on the same linears (the peer a user
+a global allocation (relative loss; Fisher-weighted loss), Fisher-weighted whitening in the SVD itself
+(`weighting="fisher"`, the main job's setting) with and without propagation and with error correction; beside them optimum-quanto weight-only int8 / int4 on the same linears (the peer a user
 would pick instead) and the dense model. Calibration: the Wikipedia *calib* split; perplexity: the
 Wikipedia *eval* split (disjoint paragraphs). Each variant runs in a child process, so its peak memory
 (max RSS) is its own. Bytes are counted at bf16 for every float tensor (the model as shipped in bf16),
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import resource
 import sys
 import time
@@ -35,6 +36,7 @@ DEFAULTS = {
     "calibration_samples": 32,
     "calibration_length": 256,
     "wikihow_examples": 0,
+    "wikihow_variants": ["dense", "int8", "int4", "fisher"],
     "threads": 2,
 }
 
@@ -45,6 +47,9 @@ VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/t
     "whiten_relative": {"whiten": True, "allocation": "relative"},
     "whiten_global": {"whiten": True, "allocation": "global"},
     "whiten_global_noprop": {"whiten": True, "allocation": "global", "propagate": False},
+    "fisher": {"whiten": True, "allocation": "global", "weighting": "fisher"},
+    "fisher_noprop": {"whiten": True, "allocation": "global", "weighting": "fisher", "propagate": False},
+    "fisher_correct": {"whiten": True, "allocation": "global", "weighting": "fisher", "correct": True},
 }
 NAME = "calibrated"
 
@@ -85,6 +90,7 @@ def _one(job: dict, q) -> None:
     import torch
 
     torch.set_num_threads(job["threads"])
+    os.environ["HF_TENSORCOMP_THREADS"] = str(job["threads"])
     import hf_tensorcomp
     from hf_tensorcomp import TensorCompressionConfig, assets
     from hf_tensorcomp.eval import perplexity
@@ -118,11 +124,11 @@ def _one(job: dict, q) -> None:
     row["params"] = sum(p.numel() for p in model.parameters())
     row["ppl"] = perplexity(model, tok, assets.load_text("wikipedia", "eval"), max_tokens=job["eval_tokens"],
                             progress=False)["ppl"]
-    if job["wikihow_examples"]:
+    if job["wikihow_examples"] and job["variant"] in job["wikihow_variants"]:
         from hf_tensorcomp.eval.multiple_choice import multiple_choice_accuracy
 
-        ex = assets.load_bigbench_task("goal_step_wikihow")[: job["wikihow_examples"]]
-        row["wikihow"] = multiple_choice_accuracy(model, tok, ex, progress=False)["accuracy"]
+        ex = assets.load_bigbench_task("goal_step_wikihow")
+        row["wikihow"] = multiple_choice_accuracy(model, tok, ex, max_examples=job["wikihow_examples"], progress=False)["accuracy"]
     row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     q.put(row)
 
@@ -182,7 +188,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    best = [r for r in rows if r["variant"] == "whiten_global" and r.get("ranks")]
+    best = [r for r in rows if r["variant"] == "fisher" and r.get("ranks")]
     if not best:
         return
     fig, axes = plt.subplots(1, len(best), figsize=(5 * len(best), 4), squeeze=False)
