@@ -122,3 +122,23 @@ def test_compression_config_spelling(tiny_dirs, ids):
     assert torch.equal(a(ids).logits, b(ids).logits)
     with pytest.raises(ValueError, match="not both"):
         hf_tensorcomp.AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"], compression_config=cfg, quantization_config=cfg)
+
+
+def test_small_models_compress_on_one_thread(tiny_dirs, monkeypatch):
+    """OpenMP threads that wait on each other made small SVDs 10-100x slower on a busy machine."""
+    from hf_tensorcomp.methods.laser import Laser
+    from hf_tensorcomp import threads
+
+    seen = []
+    real = Laser.compress
+    monkeypatch.setattr(Laser, "compress", lambda self, *a: seen.append(torch.get_num_threads()) or real(self, *a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        load(tiny_dirs["llama"], method="laser", rank=2, layers=[0])
+        assert seen == [1] and torch.get_num_threads() == 2  # one thread inside, restored after
+        monkeypatch.setattr(threads, "SINGLE_THREAD_BELOW", 1)  # every model is "large": threads kept
+        load(tiny_dirs["llama"], method="laser", rank=2, layers=[0])
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(before)

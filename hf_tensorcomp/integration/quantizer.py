@@ -16,6 +16,7 @@ from __future__ import annotations
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 
 from .. import surgery
+from ..threads import compression_threads
 from ..config import QUANT_METHOD, TensorCompressionConfig
 
 register_quantization_config(QUANT_METHOD)(TensorCompressionConfig)
@@ -54,7 +55,8 @@ class TensorCompQuantizer(HfQuantizer):
         if not self.pre_quantized:
             if _is_offloaded(getattr(model, "hf_device_map", None)):
                 self.validate_environment(device_map=model.hf_device_map)
-            surgery.compress_model(model, self.quantization_config, getattr(self, "_work", None))
+            with compression_threads(model):
+                surgery.compress_model(model, self.quantization_config, getattr(self, "_work", None))
             model.add_model_tags(["hf_tensorcomp"] + [f"tensorcomp-{e.method}" for e in self.quantization_config.entries])
             self.pre_quantized = True  # the model now holds factors: save as such
         return model
