@@ -304,11 +304,41 @@ def test_dense_mode_writes_the_approximation(tiny_dirs, ids):
     ({"reduction": "sum"}, "reduction"), ({"mapping": ["pow", 0]}, "mapping"), ({"network": "cp", "gauge": "block_identity"}, "gauge"),
     ({"sort": "full", "rank": 0.3}, "rank"), ({"rank": 49, "targets": ["mlp.*"]}, "rank"), ({"fold": [5, 5]}, "fold"),
     ({"activation_scales": "/nonexistent.safetensors"}, "activation_scales"), ({"factor_dtype": "int8"}, "factor_dtype"),
+    ({"cache_weight": "yes"}, "cache_weight"),
 ])
 def test_bad_config_fails_before_weights_load(cfg, field, tiny_dirs):
     with pytest.raises(ValueError) as e:
         load(tiny_dirs["llama"], **cfg)
     assert field in str(e.value) and "allowed" in str(e.value)
+
+
+def test_weight_is_rebuilt_once_and_after_a_move_or_change(tiny_dirs, tmp_path, ids, monkeypatch):
+    m = load(tiny_dirs["llama"], rank=0.5, targets=["mlp.*"], network="svd")
+    lin = m.model.layers[0].mlp.up_proj
+    builds = []
+    real = EinSortLinear._weight_fp32
+    monkeypatch.setattr(EinSortLinear, "_weight_fp32", lambda self: builds.append(self) or real(self))
+    with torch.no_grad():
+        ref = m(ids).logits
+        assert len(builds) == 9 and torch.equal(m(ids).logits, ref) and len(builds) == 9  # kept: no rebuild
+        assert lin.cached_nbytes() == lin.out_features * lin.in_features * 4
+        x = torch.randn(3, lin.in_features)
+        y = lin(x)
+        lin.double()  # a dtype move drops the kept weight; the next forward rebuilds it from the moved tensors
+        assert lin.cached_nbytes() == 0 and torch.allclose(lin(x.double()), y.double(), atol=1e-5) and len(builds) == 10
+        lin.float()
+        lin.weight.mul_(2)  # a change of the stored factors is seen
+        assert not torch.equal(m(ids).logits, ref) and len(builds) == 11
+        lin.weight.div_(2)
+        for x in m.modules():  # today's rebuild-per-call: same logits, nothing kept
+            if isinstance(x, EinSortLinear):
+                x.cache_weight = False
+        assert torch.equal(m(ids).logits, ref) and len(builds) == 20 and lin.cached_nbytes() == 0
+        m(ids)
+        assert len(builds) == 29
+    off = load(tiny_dirs["llama"], rank=0.5, targets=["mlp.*"], network="svd", cache_weight=False)
+    off.save_pretrained(tmp_path)  # the choice is saved with the checkpoint
+    assert not AutoModelForCausalLM.from_pretrained(tmp_path).model.layers[0].mlp.up_proj.cache_weight
 
 
 class _Tok:
