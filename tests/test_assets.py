@@ -205,11 +205,6 @@ def smollm2_gguf():
     return assets.load_gguf("smollm2")
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return assets.load_model("smollm2")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("source", assets.TEXT_SOURCES)
 def test_text_splits(source):
@@ -254,9 +249,9 @@ def test_smollm2_perplexity_real_text(smollm2):
 
 
 @pytest.mark.slow
-def test_gemma3_conversion_and_perplexity():
+def test_gemma3_conversion_and_perplexity(gemma3):
     gguf_model, gguf_tok = assets.load_gguf("gemma3")
-    model, tok = assets.load_model("gemma3")
+    model, tok = gemma3
     cfg = model.config
     assert cfg.model_type == "gemma3_text"
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (18, 640, 4, 1)

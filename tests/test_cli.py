@@ -60,18 +60,20 @@ def test_sweep_over_tensorllm_ratios(tmp_path):
     assert main(["sweep", "--method", "tensorllm", "--layers", "-1", "--ratios", "2", "--ranks", "4", "--out", str(out)]) == 2
 
 
-def test_help_answers_without_importing_torch(tmp_path):
+def test_script_entry_helps_without_importing_torch_then_runs_commands(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
 
     code = ("import sys, hf_tensorcomp_cli\n"
             "try:\n    hf_tensorcomp_cli.main(['compress', '--help'])\nexcept SystemExit:\n    pass\n"
-            "print('HEAVY' if {'torch', 'transformers', 'hf_tensorcomp'} & set(sys.modules) else 'LIGHT')")
+            "print('HEAVY' if {'torch', 'transformers', 'hf_tensorcomp'} & set(sys.modules) else 'LIGHT')\n"
+            "hf_tensorcomp_cli.main(['methods', 'laser'])  # a command: the package loads now\n")
     root = str(Path(__file__).parents[1])
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                       env={"PYTHONPATH": root, "PATH": ""})
-    assert "--method {einsort,laser,tensorllm,trawl}" in r.stdout and r.stdout.strip().endswith("LIGHT"), r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env={"PYTHONPATH": root, "PATH": "", "OMP_NUM_THREADS": "1"})
+    assert "--method {einsort,laser,tensorllm,trawl}" in r.stdout and "\nLIGHT\n" in r.stdout, r.stdout + r.stderr
+    assert "laser: LASER" in r.stdout and "default rank: 0.5" in r.stdout, r.stdout + r.stderr
 
 
 def test_method_choices_match_the_registry_and_options_are_listed(capsys):

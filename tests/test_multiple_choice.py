@@ -394,8 +394,8 @@ def test_real_bigbench_tasks_load():
 
 
 @pytest.mark.slow
-def test_smollm2_goal_step_wikihow_above_chance():
-    model, tok = assets.load_model("smollm2")
+def test_smollm2_goal_step_wikihow_above_chance(smollm2):
+    model, tok = smollm2
     examples = assets.load_bigbench_task("goal_step_wikihow")
     r = multiple_choice_accuracy(model, tok, examples, max_examples=200, batch_size=16, progress=False)
     assert r["n"] == 200 and not r["add_bos"]
