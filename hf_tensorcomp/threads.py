@@ -13,14 +13,14 @@ import contextlib
 import torch
 from torch import nn
 
+from .surgery import find_decoder_layers
+
 #: a model whose largest decoder-layer matrix has fewer entries than this is compressed on one thread
 SINGLE_THREAD_BELOW = 1 << 22
 
 
 def largest_matrix(model: nn.Module) -> int:
     """Entries of the largest 2-D parameter in the model's decoder layers (embeddings excluded)."""
-    from .surgery import find_decoder_layers
-
     _, layer_list = find_decoder_layers(model)
     return max((p.numel() for p in layer_list.parameters() if p.ndim == 2), default=0)
 

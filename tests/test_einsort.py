@@ -339,6 +339,9 @@ def test_weight_is_rebuilt_once_and_after_a_move_or_change(tiny_dirs, tmp_path, 
         assert torch.equal(m(ids).logits, ref) and len(builds) == 20 and lin.cached_nbytes() == 0
         m(ids)
         assert len(builds) == 29
+    with torch.inference_mode():  # a model loaded under inference mode: its tensors carry no version counter
+        inf = load(tiny_dirs["llama"], rank=0.5, targets=["mlp.*"], network="svd")
+        assert torch.equal(inf(ids).logits, inf(ids).logits)
     off = load(tiny_dirs["llama"], rank=0.5, targets=["mlp.*"], network="svd", cache_weight=False)
     off.save_pretrained(tmp_path)  # the choice is saved with the checkpoint
     assert not AutoModelForCausalLM.from_pretrained(tmp_path).model.layers[0].mlp.up_proj.cache_weight

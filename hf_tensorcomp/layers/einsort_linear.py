@@ -98,7 +98,8 @@ class EinSortLinear(FactorizedModule):
 
     def _weight_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight at ``dtype``: kept from an earlier call unless a stored tensor moved or changed."""
-        key = (dtype, *((t.device, t.data_ptr(), t._version) for t in self._stored()))
+        # in-place changes bump a tensor's version; tensors made under inference mode have none (and cannot change)
+        key = (dtype, *((t.device, t.data_ptr(), 0 if t.is_inference() else t._version) for t in self._stored()))
         if self._cached is None or self._cached[0] != key:
             self._cached = None  # free the old weight before building the new one
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable outside inference mode too
