@@ -37,6 +37,60 @@ def ppl(model, tok, max_tokens: int, context_length: int = 512) -> float:
                       stride=context_length, max_tokens=max_tokens, progress=False)["ppl"]
 
 
+def state_bytes(model) -> int:
+    """Bytes of every tensor in the state dict, quantized tensors counted by their stored parts (data, scales, ...)."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if hasattr(t, "__tensor_flatten__"):  # a quantized tensor subclass (optimum-quanto): count its inner tensors
+            for name in t.__tensor_flatten__()[0]:
+                add(getattr(t, name))
+        elif t.untyped_storage().data_ptr() not in seen:  # tied weights once
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.numel() * t.element_size()
+
+    for t in model.state_dict().values():
+        add(t)
+    return total
+
+
+#: weight-only quantization peers: optimum-quanto int8 (per output channel) and int4 (groups of 128),
+#: every decoder-layer nn.Linear; activations stay in float (unlike torch's dynamic int8)
+WEIGHT_ONLY = {"int8 weight-only (quanto)": "qint8", "int4 weight-only (quanto)": "qint4"}
+
+
+def _without_inference_mode(model) -> None:
+    """Run the model's forward under no_grad instead of inference mode: quanto's int4 weights fail there
+    ("Cannot set version_counter for inference tensor"), and perplexity / generate use inference mode."""
+    forward = model.forward
+
+    def run(*args, **kwargs):
+        with torch.inference_mode(False), torch.no_grad():
+            return forward(*args, **kwargs)
+
+    model.forward = run
+
+
+def weight_only_peers(load_dense, tok, max_tokens: int) -> list[dict]:
+    """Rows for the weight-only peers: params, honest bytes (quantized weights, scales, shifts and the
+    unquantized rest), perplexity and decode speed. ``load_dense()`` gives a fresh dense fp32 model."""
+    from optimum import quanto
+
+    rows = []
+    for variant, qtype in WEIGHT_ONLY.items():
+        model = load_dense()
+        params = model.num_parameters()
+        quanto.quantize(model, weights=getattr(quanto, qtype), exclude=["lm_head"])  # lm_head: tied to the embeddings
+        quanto.freeze(model)
+        _without_inference_mode(model)
+        rows.append({"variant": variant, "params": params, "bytes": state_bytes(model), "ppl": ppl(model, tok, max_tokens),
+                     "tok_s": decode_tokens_per_s(model, tok)})
+        print(rows[-1], flush=True)
+        del model
+    return rows
+
+
 @torch.inference_mode()
 def decode_tokens_per_s(model, tok, new_tokens: int = 32, repeats: int = 3) -> float:
     """Greedy decode speed, batch 1, 32-token prompt; median of `repeats` after one warm-up."""

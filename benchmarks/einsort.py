@@ -15,8 +15,15 @@ ceil(log2 n) bits, sign bits, block-identity pivots), compared with the dense ma
 3. ``table`` (the paper's Table 4 shape): EinSort shared sort at the same ratio, perplexity for each
    mapping x reduction (SmolLM2).
 
-    python benchmarks/einsort.py [--recipe recipes/einsort_weights.json] [--parts recon ppl table] [--threads 1]
+4. ``speed``: inference with EinSort full sort on every linear layer of SmolLM2 (the recipe
+   ``recipes/einsort_smollm2_full_sort.json``), the rebuilt weight kept (default) or rebuilt at
+   every call, against the dense model: time to score held-out text, greedy decode speed, and the
+   memory each option holds (stored tensors, weights kept for the forward).
+
+    python benchmarks/einsort.py [--recipe recipes/einsort_weights.json] [--parts recon ppl table speed] [--threads 1]
     python benchmarks/einsort.py --report-only      # tables and plot again from einsort.json
+
+Running some parts replaces only their rows in einsort.json; the other parts' rows are kept.
 
 Writes benchmarks/results/einsort.json, einsort.md and einsort.png. One thread by default: on a
 shared 2-core machine multi-threaded BLAS stalls far more than it gains.
@@ -37,11 +44,12 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, load_recipe, markdown_table, ppl, write_json  # noqa: E402
+from common import RESULTS, decode_tokens_per_s, load_recipe, markdown_table, ppl, write_json  # noqa: E402
 
 from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.assets import model_path  # noqa: E402
 from hf_tensorcomp.decompositions import einsort as es  # noqa: E402
+from hf_tensorcomp.layers import EinSortLinear  # noqa: E402
 from hf_tensorcomp.methods import get_method  # noqa: E402
 from hf_tensorcomp.methods.einsort import activation_scales, save_activation_scales  # noqa: E402
 from hf_tensorcomp.surgery import _context, find_decoder_layers, plan  # noqa: E402
@@ -72,6 +80,8 @@ DEFAULTS = {
               "mappings": [["linear", 1.0], ["pow", 0.5], ["exp", 10.0], ["add_log", 0.01], ["mul_log", 1.0]],
               "reductions": ["mean", "max", "min", "median", "std", "prod"]},
     "max_tokens": 2048,
+    "speed": {"model": "smollm2", "target": 0.8, "targets": ["self_attn.*_proj", "mlp.*_proj"],
+              "options": {"sort": "full", "network": "svd", "factor_dtype": "bfloat16"}, "decode_tokens": 8},
 }
 
 
@@ -224,6 +234,52 @@ def part_table(cfg) -> list[dict]:
     return rows
 
 
+def _held_bytes(model) -> dict:
+    """Bytes the model holds: its parameters and buffers, and the weights EinSort layers keep for the forward."""
+    stored = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    kept = sum(m.cached_nbytes() for m in model.modules() if isinstance(m, EinSortLinear))
+    return {"stored_bytes": stored, "kept_bytes": kept}
+
+
+def part_speed(cfg) -> list[dict]:
+    sp = cfg["speed"]
+    path = model_path(sp["model"])
+    tok = AutoTokenizer.from_pretrained(path)
+    config = TensorCompressionConfig(method="einsort", target=sp["target"], targets=sp["targets"], progress=False, **sp["options"])
+    models = {"dense": AutoModelForCausalLM.from_pretrained(path).eval()}
+    t0 = time.perf_counter()
+    models["einsort, weight kept"] = AutoModelForCausalLM.from_pretrained(path, quantization_config=config).eval()
+    compress_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as d:  # the rebuild-per-call option, as a user would load it
+        models["einsort, weight kept"].save_pretrained(d)
+        models["einsort, rebuilt per call"] = AutoModelForCausalLM.from_pretrained(d).eval()
+    for m in models["einsort, rebuilt per call"].modules():
+        if isinstance(m, EinSortLinear):
+            m.cache_weight = False
+    rows = []
+    for name, m in models.items():
+        t = time.perf_counter()
+        with torch.inference_mode():  # the first call: the kept weights are rebuilt here, once
+            m(tok("Warm-up.", return_tensors="pt").input_ids)
+        first_s = time.perf_counter() - t
+        t = time.perf_counter()
+        p = ppl(m, tok, cfg["max_tokens"])
+        ppl_s = time.perf_counter() - t
+        row = {"part": "speed", "model": sp["model"], "variant": name, "ppl": round(p, 3), "first_call_s": round(first_s, 2),
+               "ppl_s": round(ppl_s, 2),
+               "decode_tok_s": round(decode_tokens_per_s(m, tok, new_tokens=sp["decode_tokens"], repeats=1), 2),
+               **_held_bytes(m)}
+        if name != "dense":
+            row["compress_s"] = round(compress_s, 1)
+        rows.append(row)
+        print(row, flush=True)
+    for r in rows:
+        r["ppl_s_ratio"] = round(r["ppl_s"] / rows[0]["ppl_s"], 3)
+        r["decode_ratio"] = round(r["decode_tok_s"] / rows[0]["decode_tok_s"], 3)
+        r["held_ratio"] = round((r["stored_bytes"] + r["kept_bytes"]) / rows[0]["stored_bytes"], 3)
+    return rows
+
+
 # --------------------------------------------------------------------------------------------
 # reporting
 # --------------------------------------------------------------------------------------------
@@ -334,13 +390,29 @@ def report(rows, cfg, args) -> str:
         out.append(markdown_table(table, [("mapping", "mapping", "{}")] + [(red, red, "{:.2f}") for red in t["reductions"]]))
         best = min(tr, key=lambda r: r["ppl"])
         out.append(f"\nBest: {best['mapping']} with {best['reduction']} (ppl {best['ppl']:.2f}, mean rel. error {best['mean_rel_error']:.3f}).")
+    spr = [r for r in rows if r["part"] == "speed"]
+    if spr:
+        sp = cfg["speed"]
+        out.append(f"\n## Inference speed and memory: EinSort {sp['options']} at {sp['target']} bytes on {', '.join(sp['targets'])} "
+                   f"({spr[0]['model']}; scoring {cfg['max_tokens']} Wikipedia eval tokens at ctx 512; greedy decode of "
+                   f"{sp['decode_tokens']} tokens, batch 1; first call: a one-token forward right after loading, where the kept "
+                   f"weights are rebuilt; memory: parameters and buffers held, plus the dense weights EinSort layers keep "
+                   f"for the forward, after the runs)\n")
+        out.append(markdown_table(spr, [("variant", "variant", "{}"), ("ppl", "ppl", "{:.2f}"),
+                                        ("first_call_s", "first call s", "{:.2f}"), ("ppl_s", "scoring s", "{:.1f}"),
+                                        ("ppl_s_ratio", "× dense", "{:.2f}"), ("decode_tok_s", "decode tok/s", "{:.1f}"),
+                                        ("decode_ratio", "× dense", "{:.2f}"), ("stored_bytes", "stored bytes", "{:,}"),
+                                        ("kept_bytes", "kept weights, bytes", "{:,}"), ("held_ratio", "memory × dense", "{:.2f}")]))
     return "\n".join(out) + "\n"
+
+
+PARTS = {"recon": part_recon, "ppl": part_ppl, "table": part_table, "speed": part_speed}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", default=None, help="JSON overriding DEFAULTS (see recipes/einsort_weights.json)")
-    ap.add_argument("--parts", nargs="+", default=["recon", "ppl", "table"], choices=["recon", "ppl", "table"])
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--report-only", action="store_true", help="rewrite einsort.md / einsort.png from einsort.json")
     args = ap.parse_args()
@@ -353,12 +425,13 @@ def main():
         return
     cfg = load_recipe(args.recipe, DEFAULTS)
     torch.set_num_threads(args.threads)
+    saved = json.loads((RESULTS / "einsort.json").read_text()) if (RESULTS / "einsort.json").is_file() else {}
+    rows = [r for r in saved.get("rows", []) if r["part"] not in args.parts]  # other parts' rows are kept
     t0 = time.perf_counter()
-    rows = []
     for part in args.parts:
-        rows += {"recon": part_recon, "ppl": part_ppl, "table": part_table}[part](cfg)
+        rows += PARTS[part](cfg)
         write_json("einsort.json", {"config": cfg, "threads": args.threads, "rows": rows})
-    total = round(time.perf_counter() - t0, 1)
+    total = round(time.perf_counter() - t0 + (saved.get("seconds", 0) if set(args.parts) != set(PARTS) else 0), 1)
     write_json("einsort.json", {"config": cfg, "threads": args.threads, "seconds": total, "rows": rows})
     (RESULTS / "einsort.md").write_text(report(rows, cfg, args) + f"\nTotal benchmark time: {total:.0f} s.\n")
     plot(rows, RESULTS / "einsort.png")

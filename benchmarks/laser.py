@@ -4,11 +4,13 @@ For each model: LASER at several rank fractions on the attention (q,k,v,o) and o
 (gate,up,down) of the last quarter of the layers, and on q,k of all layers. (On every layer, v/o and
 FFN truncation wrecks these small models: SmolLM2 goes from ppl ~27 to thousands even at rank 0.7.) Each row: parameters, bytes
 on disk, held-out perplexity (Wikipedia eval split), compression time, greedy decode tokens/s in
-factorized and in dense mode — all as ratios to the dense model measured in the same run. The peer a
-CPU user would otherwise reach for, PyTorch dynamic int8 quantization of every nn.Linear, is measured
-alongside.
+factorized and in dense mode — all as ratios to the dense model measured in the same run. The peers:
+weight-only int8 and int4 quantization of every decoder-layer nn.Linear (optimum-quanto; what LASER's
+bytes should be compared with), and PyTorch's dynamic int8 of every nn.Linear (which quantizes the
+activations too).
 
     python benchmarks/laser.py [--models smollm2 gemma3] [--max-tokens 4096]
+    python benchmarks/laser.py --peers-only     # remeasure dense + the weight-only peers, keep the other rows
 
 Writes benchmarks/results/laser.json, laser.md and laser.png.
 """
@@ -16,6 +18,7 @@ Writes benchmarks/results/laser.json, laser.md and laser.png.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -24,12 +27,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, decode_tokens_per_s, disk_bytes, markdown_table, ppl, torch_save_bytes, write_json  # noqa: E402
+from common import (RESULTS, WEIGHT_ONLY, decode_tokens_per_s, disk_bytes, markdown_table, ppl, torch_save_bytes,  # noqa: E402
+                    weight_only_peers, write_json)
 
 from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.assets import model_path  # noqa: E402
 
 RANKS = (0.75, 0.5, 0.25)
+INT8_DYNAMIC = "int8 dynamic (torch), all Linear"
 
 
 def groups(n_layers: int):
@@ -39,7 +44,8 @@ def groups(n_layers: int):
             ("attn q,k, all layers", ["self_attn.q_proj", "self_attn.k_proj"], None)]
 
 
-def run_model(name: str, max_tokens: int) -> list[dict]:
+def dense_and_peers(name: str, max_tokens: int) -> list[dict]:
+    """The dense row, then the weight-only peers (ratios against this dense row: add_ratios)."""
     torch.manual_seed(0)
     path = model_path(name)
     tok = AutoTokenizer.from_pretrained(path)
@@ -47,9 +53,30 @@ def run_model(name: str, max_tokens: int) -> list[dict]:
     base = {"model": name, "variant": "dense", "params": dense.num_parameters(), "bytes": disk_bytes(dense),
             "ppl": ppl(dense, tok, max_tokens), "tok_s": decode_tokens_per_s(dense, tok)}
     print(base, flush=True)
-    rows = [base]
+    del dense
+    peers = weight_only_peers(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tok, max_tokens)
+    return [base] + [{"model": name, **r} for r in peers]
+
+
+def add_ratios(rows: list[dict], base: dict) -> list[dict]:
+    for r in rows:
+        r["params_ratio"] = r["params"] / base["params"]
+        r["bytes_ratio"] = r["bytes"] / base["bytes"]
+        r["ppl_ratio"] = r["ppl"] / base["ppl"]
+        r["speed_ratio"] = r["tok_s"] / base["tok_s"]
+        if "tok_s_dense_mode" in r:
+            r["speed_ratio_dense_mode"] = r["tok_s_dense_mode"] / base["tok_s"]
+    return rows
+
+
+def run_model(name: str, max_tokens: int) -> list[dict]:
+    rows = dense_and_peers(name, max_tokens)
+    base = rows[0]
+    path = model_path(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     int8 = torch.ao.quantization.quantize_dynamic(dense, {torch.nn.Linear}, dtype=torch.qint8)
-    rows.append({"model": name, "variant": "int8 dynamic (torch), all Linear", "params": base["params"],
+    rows.append({"model": name, "variant": INT8_DYNAMIC, "params": base["params"],
                  "bytes": torch_save_bytes(int8), "ppl": ppl(int8, tok, max_tokens), "tok_s": decode_tokens_per_s(int8, tok)})
     print(rows[-1], flush=True)
     del int8, dense
@@ -70,13 +97,23 @@ def run_model(name: str, max_tokens: int) -> list[dict]:
             del den
             rows.append(row)
             print(row, flush=True)
-    for r in rows:
-        r["params_ratio"] = r["params"] / base["params"]
-        r["bytes_ratio"] = r["bytes"] / base["bytes"]
-        r["ppl_ratio"] = r["ppl"] / base["ppl"]
-        r["speed_ratio"] = r["tok_s"] / base["tok_s"]
-        if "tok_s_dense_mode" in r:
-            r["speed_ratio_dense_mode"] = r["tok_s_dense_mode"] / base["tok_s"]
+    return add_ratios(rows, base)
+
+
+def peers_only(models: list[str], max_tokens: int) -> list[dict]:
+    """Remeasure dense and the weight-only peers; the other rows of laser.json stay as they were.
+
+    Peer rows carry ratios against the dense model measured with them (``"dense_rerun"``)."""
+    rows = json.loads((RESULTS / "laser.json").read_text())
+    for name in models:
+        base, *peers = dense_and_peers(name, max_tokens)
+        for r in peers:
+            r["dense_rerun"] = {k: base[k] for k in ("ppl", "tok_s", "bytes")}
+        add_ratios(peers, base)
+        kept = [r for r in rows if not (r["model"] == name and r["variant"] in WEIGHT_ONLY)]
+        at = max(i for i, r in enumerate(kept) if r["model"] == name and r["variant"] in ("dense", INT8_DYNAMIC)) + 1
+        rows = kept[:at] + peers + kept[at:]
+        write_json("laser.json", rows)
     return rows
 
 
@@ -97,9 +134,9 @@ def plot(rows, path):
     for ax, m in zip(axes[0], models):
         rs = [r for r in rows if r["model"] == m]
         for r in rs:
-            if r["variant"] == "dense" or r["variant"].startswith("int8"):
+            if r["variant"] == "dense" or r["variant"].startswith("int"):
                 ax.scatter(r["params_ratio"] if r["variant"] == "dense" else r["bytes_ratio"], r["ppl"],
-                           marker="*" if r["variant"] == "dense" else "s", s=120, label=r["variant"] + (" (x: bytes)" if r["variant"].startswith("int8") else ""))
+                           marker="*" if r["variant"] == "dense" else "s", s=120, label=r["variant"] + (" (x: bytes)" if r["variant"].startswith("int") else ""))
         for label in dict.fromkeys(r["variant"].split(" ", 2)[2] for r in rs if r["variant"].startswith("laser")):
             pts = sorted((r["params_ratio"], r["ppl"]) for r in rs if r["variant"].endswith(label) and r["variant"].startswith("laser"))
             ax.plot(*zip(*pts), marker="o", label=f"LASER {label}")
@@ -117,16 +154,28 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--peers-only", action="store_true", help="remeasure dense + the weight-only peers only")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    rows = []
-    for m in args.models:
-        rows += run_model(m, args.max_tokens)
-        write_json("laser.json", rows)
+    if args.peers_only:
+        rows = peers_only(args.models, args.max_tokens)
+    else:
+        rows = []
+        for m in args.models:
+            rows += run_model(m, args.max_tokens)
+            write_json("laser.json", rows)
     table = markdown_table(rows, COLS)
-    (RESULTS / "laser.md").write_text(
-        f"LASER benchmark ({args.max_tokens} Wikipedia eval tokens, ctx 512; decode: greedy, batch 1, 32 new tokens, "
-        f"CPU, {torch.get_num_threads()} threads; ratios against the dense fp32 model of the same run)\n\n{table}\n")
+    rerun = [r for r in rows if "dense_rerun" in r]
+    note = (f" The weight-only rows were measured in a later run ({torch.get_num_threads()} thread(s)) with their own "
+            "dense baseline: their ratios are against it (dense ppl / decode tok/s of that run: "
+            + "; ".join(f"{m} {d['ppl']:.2f} / {d['tok_s']:.1f}" for m, d in {r["model"]: r["dense_rerun"] for r in rerun}.items())
+            + "). Bytes: every stored tensor (int8 / packed int4 weights, scales, shifts; embeddings fp32)."
+            if rerun else "")
+    header = (f"LASER benchmark ({args.max_tokens} Wikipedia eval tokens, ctx 512; decode: greedy, batch 1, 32 new tokens, "
+              f"CPU, {torch.get_num_threads()} threads; ratios against the dense fp32 model of the same run)")
+    if args.peers_only:  # the other rows keep the setting they were measured in
+        header = (RESULTS / "laser.md").read_text().split("\n\n")[0].split(" The weight-only rows")[0]
+    (RESULTS / "laser.md").write_text(f"{header}{note}\n\n{table}\n")
     plot(rows, RESULTS / "laser.png")
     print(table)
 

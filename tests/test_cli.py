@@ -58,3 +58,67 @@ def test_sweep_over_tensorllm_ratios(tmp_path):
     assert rows[1]["mean_rel_error"] < rows[2]["mean_rel_error"] and rows[2]["ppl"] > rows[0]["ppl"]
     assert rows[2]["dense_params"] >= 50 * rows[2]["factored_params"]
     assert main(["sweep", "--method", "tensorllm", "--layers", "-1", "--ratios", "2", "--ranks", "4", "--out", str(out)]) == 2
+
+
+def test_script_entry_helps_without_importing_torch_then_runs_commands(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, hf_tensorcomp_cli\n"
+            "try:\n    hf_tensorcomp_cli.main(['compress', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print('HEAVY' if {'torch', 'transformers', 'hf_tensorcomp'} & set(sys.modules) else 'LIGHT')\n"
+            "hf_tensorcomp_cli.main(['methods', 'laser'])  # a command: the package loads now\n")
+    root = str(Path(__file__).parents[1])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env={"PYTHONPATH": root, "PATH": "", "OMP_NUM_THREADS": "1"})
+    assert "--method {einsort,laser,rotor,tensorllm,trawl}" in r.stdout and "\nLIGHT\n" in r.stdout, r.stdout + r.stderr
+    assert "laser: LASER" in r.stdout and "default rank: 0.5" in r.stdout, r.stdout + r.stderr
+
+
+def test_method_choices_match_the_registry_and_options_are_listed(capsys):
+    from hf_tensorcomp import cli
+    from hf_tensorcomp.methods import METHODS
+
+    assert cli.METHODS == tuple(sorted(METHODS))
+    with pytest.raises(SystemExit):
+        main(["compress", "--method", "svd", "--out", "x"])
+    assert "invalid choice: 'svd'" in capsys.readouterr().err
+    assert main(["methods", "einsort"]) == 0
+    out = capsys.readouterr().out
+    assert "--option cache_weight=true" in out and "--option network=\"svd\"" in out and "default rank: None" in out and "--target: accepted (default 0.5)" in out
+
+
+def test_eval_text_from_a_file_or_a_dataset(tmp_path, monkeypatch):
+    import datasets
+
+    from hf_tensorcomp.cli import _texts
+
+    f = tmp_path / "mine.txt"
+    f.write_text("My own text.\n\nA second paragraph.\n")
+    assert _texts(str(f)) == ["My own text.\n\nA second paragraph.\n"]
+    assert len(_texts("owt")) == 200  # the bundled held-out split
+    calls = []
+
+    def fake_load(name, subset=None, split=None):
+        calls.append((name, subset, split))
+        if name == "nowhere/nothing":
+            raise ConnectionError("no network")
+        return datasets.Dataset.from_dict({"text": ["a b c", "", "d e"]} if name != "no/text" else {"body": ["x"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    assert _texts("wikitext:wikitext-2-raw-v1@validation") == ["a b c", "d e"]
+    assert _texts("someone/corpus") == ["a b c", "d e"]
+    assert calls == [("wikitext", "wikitext-2-raw-v1", "validation"), ("someone/corpus", None, "test")]
+    with pytest.raises(ValueError, match=r"--text: got 'nowhere/nothing'.*ConnectionError.*allowed: wikipedia \| owt"):
+        _texts("nowhere/nothing")
+    with pytest.raises(ValueError, match="'text' column"):
+        _texts("no/text")
+
+
+def test_card_base_model_is_a_hub_id(tmp_path):
+    from hf_tensorcomp.cli import _base_model
+
+    assert _base_model("smollm2") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert _base_model("gemma3") == "google/gemma-3-270m"
+    assert _base_model("user/repo") == "user/repo" and _base_model(str(tmp_path)) is None

@@ -233,11 +233,11 @@ def test_lossy_changes_logits_but_stays_close(llama, padded):
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_smollm2_pipeline_per_call():
+def test_smollm2_pipeline_per_call(smollm2):
     from transformers import pipeline
 
-    from hf_tensorcomp.assets import model_path
-    pipe = pipeline("text-generation", model=str(model_path("smollm2")))
+    model, tok = smollm2
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
     kw = dict(max_new_tokens=12, do_sample=False, return_full_text=False)
     ref = pipe("The capital of France is", **kw)[0]["generated_text"]
     cache = EinSortCache(pipe.model.config, network="tt", rank=1000, segment=4, residual=2)
@@ -250,13 +250,8 @@ def test_smollm2_pipeline_per_call():
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_gemma3_real_lossless_global_layers_compressed():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_tensorcomp.assets import model_path
-    path = model_path("gemma3")
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+def test_gemma3_real_lossless_global_layers_compressed(gemma3):
+    model, tok = gemma3
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     kw = dict(max_new_tokens=10, do_sample=False)
     ref = model.generate(ids, **kw)

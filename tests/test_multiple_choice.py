@@ -276,7 +276,7 @@ def fake_bigbench(monkeypatch, tmp_path):
     def no_pip(*a, **k):
         raise AssertionError("pip must not run for a cached pinned sdist")
 
-    monkeypatch.setattr(assets.subprocess, "run", no_pip)
+    monkeypatch.setattr(assets.pypi.subprocess, "run", no_pip)
     return tmp_path
 
 
@@ -299,15 +299,15 @@ def test_download_sdist_index_fallback(monkeypatch, tmp_path):
         out.write_bytes(b"archive")
         return out
 
-    monkeypatch.setattr(assets.subprocess, "run", pip_refuses)
-    monkeypatch.setattr(assets, "_download_sdist_from_index", from_index)
+    monkeypatch.setattr(assets.pypi.subprocess, "run", pip_refuses)
+    monkeypatch.setattr(assets.pypi, "_download_sdist_from_index", from_index)
     got = assets.download_sdist("foo==2.0")
     assert got == tmp_path / "sdists" / "foo-2.0.tar.gz" and got.read_bytes() == b"archive"
     assert "--no-binary=:all:" in calls[0] and "--no-deps" in calls[0]
     assert [p.name for p in (tmp_path / "sdists").iterdir()] == ["foo-2.0.tar.gz"]  # temp dir gone
 
     # any other pip failure is reported as such, without the fallback
-    monkeypatch.setattr(assets.subprocess, "run",
+    monkeypatch.setattr(assets.pypi.subprocess, "run",
                         lambda cmd, **k: subprocess.CompletedProcess(cmd, 1, "", "ERROR: no such package"))
     with pytest.raises(RuntimeError, match="pip download of 'bar==1.0' failed"):
         assets.download_sdist("bar==1.0")
@@ -394,8 +394,8 @@ def test_real_bigbench_tasks_load():
 
 
 @pytest.mark.slow
-def test_smollm2_goal_step_wikihow_above_chance():
-    model, tok = assets.load_model("smollm2")
+def test_smollm2_goal_step_wikihow_above_chance(smollm2):
+    model, tok = smollm2
     examples = assets.load_bigbench_task("goal_step_wikihow")
     r = multiple_choice_accuracy(model, tok, examples, max_examples=200, batch_size=16, progress=False)
     assert r["n"] == 200 and not r["add_bos"]

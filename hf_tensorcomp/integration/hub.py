@@ -31,8 +31,22 @@ def compression_config(model) -> TensorCompressionConfig:
     return cfg
 
 
-def model_card(model, results: dict | None = None, base_model: str | None = None) -> str:
-    """Markdown model card (with YAML metadata) describing the compression and how to load it."""
+def chosen_ranks(stats: dict, method: str) -> str:
+    """The ranks compression chose for a method's modules, e.g. ``"288 ×40, 96 ×20"`` ("-" if none recorded)."""
+    counts: dict[str, int] = {}
+    for m in stats.get("modules", {}).values():
+        rank = m.get("ranks", m.get("rank"))
+        if m.get("method") == method and rank is not None:
+            counts[str(rank)] = counts.get(str(rank), 0) + 1
+    return ", ".join(f"{r} ×{n}" for r, n in counts.items()) or "-"
+
+
+def model_card(model, results: dict | None = None, base_model: str | None = None, repo_id: str | None = None) -> str:
+    """Markdown model card (with YAML metadata) describing the compression and how to load it.
+
+    ``base_model``: the Hub id of the model it was compressed from (the card's metadata); ``repo_id``:
+    where this model is loaded from (the card's snippet), a Hub repo id or a local folder.
+    """
     cfg = compression_config(model)
     st = cfg.stats
     lines = ["---", "library_name: transformers", "tags:", "- hf_tensorcomp"]
@@ -43,11 +57,12 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
               INSTALL_NOTE if cfg.compressed_modules else DENSE_NOTE, "",
               "```python", "import hf_tensorcomp  # registers the `tensorcomp` quantizer",
               "from transformers import AutoModelForCausalLM",
-              'model = AutoModelForCausalLM.from_pretrained("<this repo>")', "```", "", "## Compression", "",
-              "| entry | method | rank | targets | layers | mode | options |", "|---|---|---|---|---|---|---|"]
+              f'model = AutoModelForCausalLM.from_pretrained("{repo_id or "<repo id or folder>"}")', "```", "",
+              "## Compression", "",
+              "| entry | method | rank | chosen ranks | targets | layers | mode | options |", "|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(cfg.entries):
-        lines.append(f"| {i} | {e.method} | {e.rank} | {', '.join(e.targets)} | {'all' if e.layers is None else e.layers} "
-                     f"| {e.mode} | {e.options or ''} |")
+        lines.append(f"| {i} | {e.method} | {'-' if e.rank is None else e.rank} | {chosen_ranks(st, e.method)} "
+                     f"| {', '.join(e.targets)} | {'all' if e.layers is None else e.layers} | {e.mode} | {e.options or ''} |")
     if st:
         before, after = st.get("params_before"), st.get("params_after")
         lines += ["", f"- parameters: {before:,} → {after:,} ({after / before:.3f} of the original)",
@@ -62,11 +77,12 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
     return "\n".join(lines) + "\n"
 
 
-def write_model_card(model, directory, results: dict | None = None, base_model: str | None = None) -> str:
+def write_model_card(model, directory, results: dict | None = None, base_model: str | None = None,
+                     repo_id: str | None = None) -> str:
     path = os.path.join(directory, "README.md")
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(model_card(model, results, base_model))
+        f.write(model_card(model, results, base_model, repo_id))
     os.replace(tmp, path)
     return path
 
@@ -74,9 +90,10 @@ def write_model_card(model, directory, results: dict | None = None, base_model: 
 def push_to_hub(model, repo_id: str, tokenizer=None, results: dict | None = None, base_model: str | None = None,
                 token=None, private: bool | None = None, commit_message: str | None = None) -> str:
     """Push a compressed model (and tokenizer) with a model card saying how it was compressed."""
-    card = model_card(model, results, base_model)  # fails before anything is created if not compressed
+    model_card(model, results, base_model)  # fails before anything is created if not compressed
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    card = model_card(model, results, base_model, repo_id)
     api.upload_file(path_or_fileobj=card.encode(), path_in_repo="README.md", repo_id=repo_id,
                     commit_message="hf_tensorcomp model card")
     url = model.push_to_hub(repo_id, token=token, commit_message=commit_message)

@@ -1,17 +1,22 @@
 """LoRA on factored modules, through PEFT's custom-module mapping.
 
-PEFT only knows its own layer types; a `LowRankLinear` named ``q_proj`` is adapted once the mapping
-is registered on the `LoraConfig`. What a user calls::
+PEFT only knows its own layer types; a factored module named ``q_proj`` is adapted once the mapping
+is registered on the `LoraConfig`. Every factored layer takes LoRA: `LowRankLinear` (LASER),
+`TensorSlice` (TRAWL), `HeadTuckerProjection` (TensorLLM) and `EinSortLinear` (EinSort); the
+adapter runs beside the layer's own forward. What a user calls::
 
     from hf_tensorcomp.integration.peft import lora_config, load_lora
     model = get_peft_model(model, lora_config(r=8, target_modules=["q_proj", "v_proj"]))
     ... train ...
-    merged = model.merge_and_unload()      # exact: the LoRA factors are appended, the rank grows by r
+    merged = model.merge_and_unload()      # LowRankLinear only: the LoRA factors are appended, the rank grows by r
     merged.save_pretrained("out")          # a compressed checkpoint again; reloads with from_pretrained
-    # or keep the adapter separate:
+    # or keep the adapter separate (every layer type):
     model.save_pretrained("adapter"); model = load_lora(base, "adapter")
 
 Merging never densifies: W = U V plus B A (scaled) is stored as [U | s B] [V ; A], rank r + r_lora.
+The other layers cannot absorb B A without densifying (TRAWL and TensorLLM matrices share their
+factors with the rest of their group; an EinSort weight is a sorted tensorization), so merging
+into them stops with a ValueError; their adapters stay separate.
 """
 
 from __future__ import annotations
@@ -20,11 +25,28 @@ import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as _LoraLinear
 
-from ..layers import LowRankLinear
+from ..layers import EinSortLinear, HeadTuckerProjection, LowRankLinear, TensorSlice
 
 
-class LoraLowRankLinear(_LoraLinear):
-    """PEFT's LoRA `Linear`, with merge/unmerge done in factor space on a `LowRankLinear` base."""
+class LoraFactored(_LoraLinear):
+    """PEFT's LoRA `Linear` on a factored layer: the adapter's output is added to the layer's own."""
+
+    def _get_in_out_features(self, module):
+        return module.in_features, module.out_features  # PEFT warns "unsupported layer type" otherwise
+
+    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+        raise ValueError(
+            f"LoRA merge: a {type(self.get_base_layer()).__name__} cannot absorb the adapter without densifying; "
+            "allowed: merging into LowRankLinear (method 'laser') layers, or keeping the adapter separate "
+            "(peft_model.save_pretrained, then hf_tensorcomp.integration.peft.load_lora)"
+        )
+
+    def unmerge(self) -> None:
+        pass  # nothing is ever merged
+
+
+class LoraLowRankLinear(LoraFactored):
+    """LoRA on a `LowRankLinear`, with merge/unmerge done in factor space."""
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
         from peft.tuners.tuners_utils import check_adapters_to_merge
@@ -55,7 +77,8 @@ class LoraLowRankLinear(_LoraLinear):
                 base.bias.data -= self.lora_B[name].bias * self.scaling[name]
 
 
-CUSTOM_MODULES = {LowRankLinear: LoraLowRankLinear}
+CUSTOM_MODULES = {LowRankLinear: LoraLowRankLinear, TensorSlice: LoraFactored, HeadTuckerProjection: LoraFactored,
+                  EinSortLinear: LoraFactored}
 
 
 def register(config: LoraConfig) -> LoraConfig:

@@ -10,9 +10,13 @@ The stored form is exactly what `hf_tensorcomp.decompositions.einsort.EinSortTen
   approximates W diag(s), and the layer divides it back out.
 
 A sorted layout cannot run factored (the permutation scatters entries of the product), so the
-forward rebuilds the dense weight from these tensors at every call and multiplies with it; nothing
-derived is cached, so what is saved is all there is. The saving is in bytes on disk and in memory,
-not in FLOPs (the forward costs the dense matmul plus the rebuild).
+forward multiplies with the dense weight rebuilt from these tensors. ``cache_weight=True`` (default)
+rebuilds it once — at the first forward after a load, a device or dtype move, or a change of the
+stored tensors — and keeps it (not saved: the checkpoint holds only the stored form), so inference
+runs at dense speed and holds the dense weight in memory next to the stored form.
+``cache_weight=False`` rebuilds it at every call: memory holds only the stored form (plus one weight
+while it is used), each forward pays the rebuild. Either way the stored tensors get no gradient
+(the rebuild reads them detached); LoRA adapters on the layer do (`hf_tensorcomp.integration.peft`).
 """
 
 from __future__ import annotations
@@ -38,13 +42,15 @@ class EinSortLinear(FactorizedModule):
     """
 
     layer_type = "einsort_linear"
-    spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "bias": "bool", "transposed": "bool",
+    spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "bias": "bool", "transposed": "bool", "cache_weight": "bool",
                    "scaled": "bool", "factor_dtype": (None, *_DTYPES), "einsort": "dict"}
 
     def __init__(self, in_features: int, out_features: int, meta: dict, transposed: bool = False, bias: bool = False,
-                 scaled: bool = False, factor_dtype: str | None = None, dtype=None, device=None):
+                 scaled: bool = False, factor_dtype: str | None = None, dtype=None, device=None, cache_weight: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.cache_weight = cache_weight
+        self._cached = None  # (key, weight): see `_weight_for`
         self.meta, self.transposed, self.scaled, self.factor_dtype = dict(meta), transposed, scaled, factor_dtype
         self.compute_dtype = dtype or torch.get_default_dtype()
         fdtype = _DTYPES[factor_dtype] if factor_dtype else self.compute_dtype
@@ -61,11 +67,11 @@ class EinSortLinear(FactorizedModule):
     @classmethod
     def from_fitted(cls, fitted: EinSortTensor, in_features: int, out_features: int, transposed: bool = False,
                     bias: torch.Tensor | None = None, in_scale: torch.Tensor | None = None,
-                    factor_dtype: str | None = None, dtype=None) -> "EinSortLinear":
+                    factor_dtype: str | None = None, dtype=None, cache_weight: bool = True) -> "EinSortLinear":
         tensors, meta = fitted.to_dict()
         dtype = dtype or torch.float32
         m = cls(in_features, out_features, meta, transposed=transposed, bias=bias is not None, scaled=in_scale is not None,
-                factor_dtype=factor_dtype, dtype=dtype, device=tensors["cores"].device)
+                factor_dtype=factor_dtype, dtype=dtype, device=tensors["cores"].device, cache_weight=cache_weight)
         with torch.no_grad():
             m.weight.copy_(tensors["cores"])
             for name in _BUFFERS:
@@ -89,8 +95,32 @@ class EinSortLinear(FactorizedModule):
             w = w / self.in_scale.float()
         return w
 
+    def _stored(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.pivots, self.perm, self.signs, self.in_scale) if t is not None]
+
+    def _weight_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight at ``dtype``: kept from an earlier call unless a stored tensor moved or changed."""
+        # in-place changes bump a tensor's version; tensors made under inference mode have none (and cannot change)
+        key = (dtype, *((t.device, t.data_ptr(), 0 if t.is_inference() else t._version) for t in self._stored()))
+        if self._cached is None or self._cached[0] != key:
+            self._cached = None  # free the old weight before building the new one
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable outside inference mode too
+                self._cached = (key, self._weight_fp32().to(dtype))
+        return self._cached[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self._weight_fp32().to(x.dtype), self.bias)
+        if not self.cache_weight:
+            self._cached = None
+            return F.linear(x, self._weight_fp32().to(x.dtype), self.bias)
+        return F.linear(x, self._weight_for(x.dtype), self.bias)
+
+    def _apply(self, fn, recurse=True):
+        self._cached = None  # a device / dtype move: rebuild at the next forward, from the moved tensors
+        return super()._apply(fn, recurse)
+
+    def cached_nbytes(self) -> int:
+        """Bytes of the dense weight kept for the forward (0 if none is kept now)."""
+        return 0 if self._cached is None else self._cached[1].numel() * self._cached[1].element_size()
 
     def dense_weight(self) -> torch.Tensor:
         return self._weight_fp32().to(self.compute_dtype)
@@ -115,7 +145,7 @@ class EinSortLinear(FactorizedModule):
     def spec(self) -> dict:
         return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
                 "bias": self.bias is not None, "transposed": self.transposed, "scaled": self.scaled,
-                "factor_dtype": self.factor_dtype, "einsort": self.meta}
+                "factor_dtype": self.factor_dtype, "cache_weight": self.cache_weight, "einsort": self.meta}
 
     @classmethod
     def check_spec(cls, name: str, spec: dict) -> None:
@@ -145,10 +175,12 @@ class EinSortLinear(FactorizedModule):
     @classmethod
     def from_spec(cls, spec: dict, dtype=None, root=None) -> "EinSortLinear":
         return cls(spec["in_features"], spec["out_features"], spec["einsort"], transposed=spec["transposed"],
-                   bias=spec["bias"], scaled=spec["scaled"], factor_dtype=spec["factor_dtype"], dtype=dtype)
+                   bias=spec["bias"], scaled=spec["scaled"], factor_dtype=spec["factor_dtype"], dtype=dtype,
+                   cache_weight=spec.get("cache_weight", True))
 
     def extra_repr(self) -> str:
         m = self.meta
         sort = "none" if m["sort_axis"] is None else ("full" if not m["reduce_over"] else f"shared over {m['reduce_over']}")
         return (f"in_features={self.in_features}, out_features={self.out_features}, network={m['network']}, "
-                f"fold={tuple(m['fold_shape'])}, sort={sort}, nonnegative={m['nonnegative']}, bytes={self.nbytes()}")
+                f"fold={tuple(m['fold_shape'])}, sort={sort}, nonnegative={m['nonnegative']}, bytes={self.nbytes()}, "
+                f"cache_weight={self.cache_weight}")

@@ -13,6 +13,9 @@ Each targeted ``nn.Linear`` W (out x in) becomes an `EinSortLinear`. How W becom
   the 3-way tensor (out/group, group, in) unless ``fold`` gives another shape.
 - ``nonnegative`` (default True, the paper's best): decompose f(|W|) (f: the ``mapping``), keep the
   sign bits. ``gauge``: ``"auto"`` = block identity (CP: canonical).
+- ``cache_weight`` (default True): the layer rebuilds its dense weight once and keeps it (dense
+  speed, the dense weight's memory); False rebuilds it at every forward (least memory). Saved with
+  the checkpoint; ``layer.cache_weight`` can also be switched on a loaded model.
 
 ``rank``: an int (the bond rank; SVD: at most min(out, in)) or a list of bond ranks. ``target``
 instead: a float in (0, 1), the byte budget per matrix as a fraction of its dense bytes at the factor
@@ -58,7 +61,7 @@ class EinSort(Method):
         "network": "svd", "sort": "shared", "group": 8, "sort_dim": "in", "mapping": ["pow", 0.5],
         "reduction": "prod", "nonnegative": True, "gauge": "auto", "fold": None, "factor_dtype": None,
         "steps": 0, "lr": 1e-2, "n_iter_max": 100, "tol": 1e-7, "seed": 0,
-        "activation_scales": None, "alpha": 0.5,
+        "activation_scales": None, "alpha": 0.5, "cache_weight": True,
     }
 
     def validate_options(self, options):
@@ -77,8 +80,9 @@ class EinSort(Method):
             fail("mapping", o["mapping"], choices(es.MAPPINGS) + ", or [name, p] with p > 0")
         if o["reduction"] not in es.REDUCTIONS:
             fail("reduction", o["reduction"], choices(es.REDUCTIONS))
-        if not isinstance(o["nonnegative"], bool):
-            fail("nonnegative", o["nonnegative"], "True | False")
+        for key in ("nonnegative", "cache_weight"):
+            if not isinstance(o[key], bool):
+                fail(key, o[key], "True | False")
         if o["gauge"] == "auto":
             pass
         elif o["gauge"] not in GAUGES:
@@ -229,7 +233,7 @@ class EinSort(Method):
             layer = EinSortLinear.from_fitted(fitted, lin.in_features, lin.out_features, transposed=o["sort_dim"] == "out",
                                               bias=None if lin.bias is None else lin.bias.detach(),
                                               in_scale=None if s is None else s.to(fdtype), factor_dtype=o["factor_dtype"],
-                                              dtype=lin.weight.dtype)
+                                              dtype=lin.weight.dtype, cache_weight=o["cache_weight"])
             approx = layer._weight_fp32()
             dense_bytes = w.numel() * torch.empty(0, dtype=fdtype).element_size()
             st = fitted.storage()
