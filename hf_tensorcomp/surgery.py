@@ -162,7 +162,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
 
     def compress_unit(k, names, stats):
         entry = config.entries[k]
-        unit_ctx = replace(ctx, stats=stats, ranks=allocation.get(k, {}).get("rungs"))
+        unit_ctx = replace(ctx, stats=stats, ranks=allocation.get(k, {}).get("rungs"), layers=layer_list)
         mods = {n: layer_list.get_submodule(n) for n in names}
         method = methods[k]
         checks.check_inputs(mods, prefix)

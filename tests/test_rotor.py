@@ -383,6 +383,9 @@ def test_method_without_calibration_says_so():
     (dict(lr=0), "lr", "number > 0"),
     (dict(rank=4), "rank", "None for rotor"),
     (dict(warmup=1.0), "warmup", "[0, 1)"),
+    (dict(retrain_o=1), "retrain_o", "True | False"),
+    (dict(o_epochs=0), "o_epochs", "int >= 1"),
+    (dict(o_lr=-1.0), "o_lr", "number > 0"),
 ])
 def test_bad_options_name_the_field(options, field, allowed):
     with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: .*allowed: .*{__import__('re').escape(allowed)}"):
@@ -415,6 +418,54 @@ def test_rotor_through_from_pretrained_with_calibration_saves_and_reloads(struct
     m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
     st = m.config.quantization_config.stats["modules"]["model.layers.0.self_attn.q_proj"]
     assert st["tokens"] == 256 and st["structure"] == structure and st["rel_error"] < 1
+    m.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 101, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, m(ids).logits)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_attention_statistic_records_calls_that_replay_the_block(arch, tiny_dirs):
+    """The "attention" kind: one list of calls shared by sibling projections; replaying them with the
+    dense projections reproduces the block's recorded output (Gemma3: sliding-window masks too)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_tensorcomp.calibration.stats import StatsHooks
+    from hf_tensorcomp.methods.rotor import _rerun
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch]).eval()
+    layer = model.model.layers[1]
+    hooks = StatsHooks(layer, {"1.self_attn.q_proj": frozenset({"inputs", "attention"}),
+                               "1.self_attn.v_proj": frozenset({"attention"})}, "1.")
+    model(input_ids=torch.randint(0, 101, (2, 20), generator=torch.Generator().manual_seed(0)), use_cache=False)
+    model(input_ids=torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(1)), use_cache=False)
+    stats = hooks.close()
+    q, v = stats["1.self_attn.q_proj"], stats["1.self_attn.v_proj"]
+    assert q.attention is v.attention and len(q.attention) == 2 and q.inputs.shape == (52, 48)
+    rows, rel = _rerun(layer.self_attn, {}, q.attention)
+    assert rows.shape == (52, layer.self_attn.o_proj.in_features) and rel < 1e-12
+    zero = nn.Linear(48, layer.self_attn.v_proj.out_features, bias=False)
+    nn.init.zeros_(zero.weight)
+    assert _rerun(layer.self_attn, {"v_proj": zero}, q.attention)[1] == pytest.approx(1.0)  # no values: no output
+    assert layer.self_attn.v_proj is not zero  # restored
+
+
+def test_retrain_o_fits_the_block_output_and_reloads(tiny_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    calib = torch.randint(0, 101, (16, 16), generator=torch.Generator().manual_seed(0))
+    cfg = TensorCompressionConfig(method="rotor", structure="lr4", layers=[0], calibration=calib, calibration_samples=16,
+                                  epochs=10, batch_size=16, retrain_o=True, o_epochs=20, o_lr=0.01, progress=False)
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
+    st = m.config.quantization_config.stats["modules"]["model.layers.0.self_attn.o_proj"]
+    assert st["params"] == 48 * 48 and st["tokens"] == 256 and st["steps"] == 20 * 16
+    assert st["attn_rel_mse"] < 0.9 * st["attn_rel_mse_before"]  # fitted to the dense block, not a copy of W_o
+    o_new, o_old = m.model.layers[0].self_attn.o_proj, dense.model.layers[0].self_attn.o_proj
+    assert type(o_new) is nn.Linear and not torch.allclose(o_new.weight, o_old.weight)
+    assert torch.equal(m.model.layers[1].self_attn.o_proj.weight, dense.model.layers[1].self_attn.o_proj.weight)
     m.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path)
     ids = torch.randint(0, 101, (1, 9))

@@ -9,7 +9,11 @@ A method declares the *kinds* it needs (`Method.needs`); only those are gathered
   in the partly compressed model (same tokens), so a method can fit the dense outputs from the
   inputs it will really see (error correction; needs ``propagate=True``, else it equals the Gram);
 - ``"fisher"``: the mean squared loss gradient of the module's *outputs* (`sensitivity.output_fisher`,
-  one backward pass of the dense model; only for budget allocation).
+  one backward pass of the dense model; only for budget allocation);
+- ``"attention"``: the calls of the module's *parent* (the attention block of a q/k/v projection):
+  per calibration batch, its positional and keyword arguments (hidden states, position embeddings,
+  mask) and its output, so a method can re-run the block with replaced projections and fit what
+  follows them to the block's original output (rotor's ``retrain_o``). Siblings share one list.
 
 Modules that read the same tensor (q/k/v, gate/up) share one Gram product per batch.
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross")
+KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross", "attention")
 
 
 class ModuleStats:
@@ -33,6 +37,8 @@ class ModuleStats:
         self._abs_sum: torch.Tensor | None = None
         self._inputs: list[torch.Tensor] = []
         self.fisher: torch.Tensor | None = None  # per output channel, set by the pipeline
+        #: ``"attention"``: [(args, kwargs, output), ...] of the parent block's calls, one per batch
+        self.attention: list[tuple[tuple, dict, torch.Tensor]] = []
 
     def add(self, x: torch.Tensor, gram: torch.Tensor | None = None, dense_x: torch.Tensor | None = None) -> None:
         """x: (tokens, in) float32 rows; gram: its XᵀX if already computed for a sibling module;
@@ -73,6 +79,15 @@ class StatsHooks:
         self._handles = [
             layer.get_submodule(name[len(layer_prefix):]).register_forward_hook(self._hook(name)) for name in wanted
         ]
+        calls_of: dict[str, list] = {}  # parent block -> its recorded calls, shared by its children's stats
+        for name, st in self.stats.items():
+            if "attention" in st.kinds:
+                parent = name[len(layer_prefix):].rpartition(".")[0]
+                if parent not in calls_of:
+                    calls_of[parent] = []
+                    self._handles.append(layer.get_submodule(parent).register_forward_hook(
+                        _recorder(calls_of[parent]), with_kwargs=True))
+                st.attention = calls_of[parent]
 
     def _hook(self, name):
         st = self.stats[name]
@@ -100,6 +115,22 @@ class StatsHooks:
             h.remove()
         self._last = None
         return self.stats
+
+
+def _detached(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    if isinstance(v, (tuple, list)):
+        return type(v)(_detached(t) for t in v)
+    return v
+
+
+def _recorder(calls: list):
+    """A forward hook (``with_kwargs=True``) appending (args, kwargs, first output) to `calls`."""
+    def hook(module, args, kwargs, output):
+        out = output[0] if isinstance(output, tuple) else output
+        calls.append((_detached(args), {k: _detached(v) for k, v in kwargs.items()}, out.detach()))
+    return hook
 
 
 class InputCapture:

@@ -61,6 +61,9 @@ class Context:
     stats: dict | None = None
     #: ranks chosen by a global `target` budget ({name: rung of the method's `ladder`}), else None
     ranks: dict | None = None
+    #: the decoder-layer list itself, during compression (for a method that re-runs a block, e.g. the
+    #: attention around the projections it replaced); None while planning on the meta model
+    layers: Any = None
 
 
 class Method:

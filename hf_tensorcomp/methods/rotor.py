@@ -15,6 +15,15 @@ Training (`hf_tensorcomp.training.fit`): Adam, one epoch, seeded shuffle, linear
 decay per step; learning rate 0.05 and batch size 64 (the paper's rotor setting) for every structure,
 so the comparison trains all of them alike (see `FIT_DEFAULTS`).
 
+``retrain_o=True`` (the paper's protocol): after q/k/v of an attention block are replaced, its
+o_proj is replaced by a *fresh* dense Linear (seeded init) trained for ``o_epochs`` epochs (the
+paper: 15) by MSE to the dense block's output, on the calibration batches run through the block
+with the new q/k/v (Adam at ``o_lr``, batch ``batch_size``, the same schedule). The new o_proj is a
+plain ``nn.Linear`` (saved as dense weights); its parameters are reported in its stats, and
+``attn_rel_mse_before`` / ``attn_rel_mse`` there give the block's relative output error with the
+original and with the retrained o_proj. This needs the ``"attention"`` calibration statistic (the
+block's calls), which the method asks for only when the option is on.
+
 Calibration contract: the method declares ``needs(entry) == {"inputs"}``; ``compress`` reads
 ``ctx.stats[name].inputs`` (or ``ctx.stats[name]["inputs"]``), a float tensor (tokens x in_features)
 of the module's real input activations, ``name`` as passed in ``modules`` (relative to the decoder
@@ -81,11 +90,13 @@ class Rotor(Method):
         "blocks": 64,
         # training
         "lr": None, "batch_size": None, "epochs": 1, "warmup": 0.05, "seed": 0,
+        # the paper's retraining of a fresh dense o_proj after q/k/v are replaced (not part of the count there)
+        "retrain_o": False, "o_epochs": 15, "o_lr": 1e-3,
     }
 
     def needs(self, entry) -> frozenset:
         """What the calibration pipeline must collect for this entry: each target's input activations."""
-        return frozenset({"inputs"})
+        return frozenset({"inputs", "attention"} if entry.options["retrain_o"] else {"inputs"})
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -99,14 +110,16 @@ class Rotor(Method):
             fail("depth", o["depth"], "an int >= 0 (hidden rotor levels between the input and output maps)")
         if not is_int(o["width"], 1):
             fail("width", o["width"], "an int >= 1 (parallel rotor maps per hidden level)")
-        for flag in ("double",):
+        for flag in ("double", "retrain_o"):
             if not isinstance(o[flag], bool):
                 fail(flag, o[flag], "True | False")
-        for field in ("iters", "grad_steps", "epochs", "blocks"):
+        for field in ("iters", "grad_steps", "epochs", "blocks", "o_epochs"):
             if not is_int(o[field], 1):
                 fail(field, o[field], "an int >= 1")
         if o["lr"] is not None and (not isinstance(o["lr"], (int, float)) or isinstance(o["lr"], bool) or not o["lr"] > 0):
             fail("lr", o["lr"], "None (the paper's per-structure default) or a number > 0")
+        if not isinstance(o["o_lr"], (int, float)) or isinstance(o["o_lr"], bool) or not o["o_lr"] > 0:
+            fail("o_lr", o["o_lr"], "a number > 0 (Adam's rate for the retrained o_proj)")
         if o["batch_size"] is not None and not is_int(o["batch_size"], 1):
             fail("batch_size", o["batch_size"], "None (the paper's per-structure default) or an int >= 1")
         if not isinstance(o["warmup"], (int, float)) or isinstance(o["warmup"], bool) or not 0 <= o["warmup"] < 1:
@@ -159,7 +172,7 @@ class Rotor(Method):
         lr_default, bs_default = FIT_DEFAULTS[structure]
         lr, batch_size = o["lr"] or lr_default, o["batch_size"] or bs_default
         progress = bool(getattr(ctx, "progress", False))
-        out = {}
+        out, replaced = {}, {}
         for name, lin in modules.items():
             x = self._inputs(ctx, name)
             dev = lin.weight.device
@@ -175,6 +188,7 @@ class Rotor(Method):
             rel = relative_mse(new, lin, x)
             new = new.to(lin.weight.dtype)
             stride = max(1, len(history) // LOSS_POINTS)
+            replaced[name] = new
             out[name] = (new, {
                 "structure": structure, "rel_error": round(rel**0.5, 6), "rel_mse": round(rel, 6),
                 "params": num_parameters(new), "params_dense": lin.weight.numel() + (lin.bias.numel() if lin.bias is not None else 0),
@@ -182,5 +196,75 @@ class Rotor(Method):
                 "train_seconds": round(seconds, 3),
                 "loss": [round(v, 6) for v in history[::stride]] + ([round(history[-1], 6)] if (len(history) - 1) % stride else []),
             })
+        if o["retrain_o"]:
+            out.update(self._retrain_o(replaced, ctx, o, batch_size, progress))
         return out
 
+    def _retrain_o(self, replaced: dict, ctx, o: dict, batch_size: int, progress: bool) -> dict:
+        """A fresh dense o_proj per attention block of `replaced`, fitted to the block's dense output."""
+        if getattr(ctx, "layers", None) is None:
+            raise ValueError("rotor: retrain_o=True re-runs the attention blocks, and no decoder layers were passed "
+                             "in the context (compress outside from_pretrained: set ctx.layers)")
+        blocks: dict[str, dict] = {}
+        for name, new in replaced.items():
+            parent, _, leaf = name.rpartition(".")
+            blocks.setdefault(parent, {})[leaf] = new
+        out = {}
+        for parent, news in blocks.items():
+            calls = self._calls(ctx, parent, news)
+            attn = ctx.layers.get_submodule(parent)
+            old_o = attn.o_proj
+            inputs, before = _rerun(attn, news, calls)
+            targets = torch.cat([c[2].reshape(-1, c[2].shape[-1]) for c in calls]).float()
+            g = torch.Generator().manual_seed(o["seed"])
+            fresh = nn.Linear(old_o.in_features, old_o.out_features, bias=old_o.bias is not None, device=old_o.weight.device)
+            with torch.no_grad():  # nn.Linear's default init, drawn from the seeded generator
+                bound = 1 / old_o.in_features**0.5
+                fresh.weight.copy_(torch.rand(fresh.weight.shape, generator=g) * 2 * bound - bound)
+                if fresh.bias is not None:
+                    fresh.bias.copy_(torch.rand(fresh.bias.shape, generator=g) * 2 * bound - bound)
+            t0 = time.perf_counter()
+            history = fit(fresh, None, inputs, targets=targets, lr=o["o_lr"], epochs=o["o_epochs"], batch_size=batch_size,
+                          seed=o["seed"], warmup=o["warmup"], progress=progress, desc=f"rotor retrain {parent}.o_proj")
+            seconds = time.perf_counter() - t0
+            with torch.no_grad():
+                after = (fresh(inputs) - targets).pow(2).sum().item() / targets.pow(2).sum().item()
+            out[f"{parent}.o_proj"] = (fresh.to(old_o.weight.dtype), {
+                "structure": "dense (retrained)", "rel_error": round(after**0.5, 6), "rel_mse": round(after, 6),
+                "attn_rel_mse_before": round(before, 6), "attn_rel_mse": round(after, 6),
+                "params": num_parameters(fresh), "params_dense": num_parameters(old_o), "tokens": inputs.shape[0],
+                "epochs": o["o_epochs"], "steps": len(history), "lr": o["o_lr"], "batch_size": batch_size,
+                "train_seconds": round(seconds, 3)})
+        return out
+
+    def _calls(self, ctx, parent: str, news: dict) -> list:
+        for leaf in news:
+            item = ctx.stats.get(f"{parent}.{leaf}")
+            calls = item["attention"] if isinstance(item, dict) else getattr(item, "attention", None)
+            if calls:
+                return calls
+        raise ValueError(f"rotor: retrain_o=True needs the calls of {ctx.prefix}.{parent} (calibration statistic "
+                         "'attention'); the calibration stats hold none")
+
+
+@torch.no_grad()
+def _rerun(attn: nn.Module, news: dict, calls: list) -> tuple[torch.Tensor, float]:
+    """Run the attention block on its recorded calls with the projections in `news` swapped in.
+    Returns o_proj's inputs (tokens x in, float32) and the block's relative output MSE so."""
+    old = {leaf: getattr(attn, leaf) for leaf in news}
+    rows: list[torch.Tensor] = []
+    hook = attn.o_proj.register_forward_hook(lambda m, a, out: rows.append(a[0].reshape(-1, a[0].shape[-1]).float()))
+    num = den = 0.0
+    try:
+        for leaf, new in news.items():
+            setattr(attn, leaf, new)
+        for args, kwargs, dense_out in calls:
+            got = attn(*args, **kwargs)
+            got = got[0] if isinstance(got, tuple) else got
+            num += (got.float() - dense_out.float()).pow(2).sum().item()
+            den += dense_out.float().pow(2).sum().item()
+    finally:
+        hook.remove()
+        for leaf, mod in old.items():
+            setattr(attn, leaf, mod)
+    return torch.cat(rows), num / den
