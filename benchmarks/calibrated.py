@@ -38,6 +38,7 @@ DEFAULTS = {
     "wikihow_examples": 0,
     "wikihow_variants": ["dense", "int8", "int4", "fisher"],
     "threads": 2,
+    "jobs": None,  # or an explicit list of [model, variant, target] run in that order (instead of the grid)
 }
 
 VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/targets)
@@ -68,12 +69,11 @@ def _quanto(model, bits: int) -> int:
     quantize(layers, weights={8: qint8, 4: qint4}[bits])
     freeze(layers)
     total = 0
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            if hasattr(p, "_data") or type(p).__name__.startswith(("QTensor", "WeightQBits", "QBits")):
-                total += p.numel() * bits // 8 + (p.shape[0] * 2 if bits == 8 else p.numel() // 128 * 4)
-            else:
-                total += p.numel() * 2
+    for p in model.parameters():  # each tensor once (tied embeddings are one tensor)
+        if type(p).__name__.startswith(("QTensor", "WeightQBits", "QBits", "QBytes")) or hasattr(p, "_data"):
+            total += p.numel() * bits // 8 + (p.shape[0] * 2 if bits == 8 else p.numel() // 128 * 4)
+        else:
+            total += p.numel() * 2
     return total
 
 
@@ -139,26 +139,29 @@ def run(cfg: dict) -> list[dict]:
     done = {(r["model"], r["variant"], r["target"]) for r in rows}
     ctx = mp.get_context("spawn")
     # in priority order (dense and peers, then each variant for both models), so a cut-short run has what matters
-    jobs = [("dense", None)] + [(p, None) for p in cfg["peers"]]
-    jobs += [(v, t) for v in cfg["variants"] for t in cfg["targets"]]
-    for variant, target in jobs:
-        for model in cfg["models"]:
-            if (model, variant, target) in done:
-                continue
-            job = {**cfg, "model": model, "variant": variant, "target": target}
-            q = ctx.Queue()
-            p = ctx.Process(target=_one, args=(job, q))
-            p.start()
-            while p.is_alive() and q.empty():
-                time.sleep(1)
-            if q.empty():
-                print(f"{model} {variant} {target}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
-                continue
-            row = q.get()
-            p.join()
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("ranks", "kept_dense")}), flush=True)
-            write_json(f"{NAME}.json", rows)
+    if cfg["jobs"]:
+        order = [tuple(j) for j in cfg["jobs"]]
+    else:
+        jobs = [("dense", None)] + [(p, None) for p in cfg["peers"]]
+        jobs += [(v, t) for v in cfg["variants"] for t in cfg["targets"]]
+        order = [(m, v, t) for v, t in jobs for m in cfg["models"]]
+    for model, variant, target in order:
+        if (model, variant, target) in done:
+            continue
+        job = {**cfg, "model": model, "variant": variant, "target": target}
+        q = ctx.Queue()
+        p = ctx.Process(target=_one, args=(job, q))
+        p.start()
+        while p.is_alive() and q.empty():
+            time.sleep(1)
+        if q.empty():
+            print(f"{model} {variant} {target}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
+            continue
+        row = q.get()
+        p.join()
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("ranks", "kept_dense")}), flush=True)
+        write_json(f"{NAME}.json", rows)
     return rows
 
 
