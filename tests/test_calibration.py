@@ -239,3 +239,13 @@ def test_cross_statistics_pair_dense_and_compressed_inputs(tiny_dirs):
     assert torch.allclose(seen[name].cross, xd.T @ xc, rtol=1e-4, atol=1e-4)
     assert torch.allclose(seen[name].gram, xc.T @ xc, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(seen[name].cross, seen[name].gram, rtol=1e-3)
+
+
+def test_model_card_reports_the_budget(tiny_dirs):
+    from hf_tensorcomp import model_card
+
+    m = load(tiny_dirs["llama"], method="laser", target=0.6, whiten=True, calibration=calib_ids())
+    card = model_card(m)
+    a = m.config.quantization_config.stats["allocation"]["0"]
+    assert f"target 0.6 of {a['params_targeted']:,} parameters, kept {a['params_kept']:,}" in card
+    assert f"{len(a['kept_dense'])} matrices left dense" in card

@@ -38,6 +38,9 @@ def chosen_ranks(stats: dict, method: str) -> str:
         rank = m.get("ranks", m.get("rank"))
         if m.get("method") == method and rank is not None:
             counts[str(rank)] = counts.get(str(rank), 0) + 1
+    if len(counts) > 8 and all(r.isdigit() for r in counts):  # a global budget: summarise the spread
+        ranks = sorted(int(r) for r, n in counts.items() for _ in range(n))
+        return f"{ranks[0]}–{ranks[-1]} (median {ranks[len(ranks) // 2]}) over {len(ranks)} modules; see config.json stats"
     return ", ".join(f"{r} ×{n}" for r, n in counts.items()) or "-"
 
 
@@ -64,6 +67,9 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
         lines.append(f"| {i} | {e.method} | {'-' if e.rank is None else e.rank} | {chosen_ranks(st, e.method)} "
                      f"| {', '.join(e.targets)} | {'all' if e.layers is None else e.layers} | {e.mode} | {e.options or ''} |")
     if st:
+        for k, a in st.get("allocation", {}).items():
+            lines.append(f"\nEntry {k}: target {a['target']} of {a['params_targeted']:,} parameters, kept "
+                         f"{a['params_kept']:,} ({a['kept_fraction']}); {len(a['kept_dense'])} matrices left dense.")
         before, after = st.get("params_before"), st.get("params_after")
         lines += ["", f"- parameters: {before:,} → {after:,} ({after / before:.3f} of the original)",
                   f"- compressed modules: {len(st.get('modules', {}))}",
