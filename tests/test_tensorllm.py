@@ -173,3 +173,22 @@ def test_real_model_full_rank_exact(name, layers, request):
     m = load(path, ranks=ranks, layers=layers)
     assert ranks == ((576, 64, 4) if name == "smollm2" else (640, 256, 4))  # 9/3 heads x 64; 4/1 heads x 256
     assert rel_err(m(ids).logits, ref) <= 1e-4
+
+
+def test_target_is_the_same_budget_as_ratio(tiny_dirs):
+    """target=0.25 keeps a quarter of each layer's attention parameters: the ranks ratio=4 picks."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_tensorcomp import TensorCompressionConfig
+
+    def stats(**kw):
+        m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+            method="tensorllm", layers=[0], progress=False, **kw))
+        return next(v for k, v in m.config.quantization_config.stats["modules"].items() if k.endswith("tensorllm_factors"))
+
+    a, b = stats(target=0.25), stats(ratio=4)
+    assert a["ranks"] == b["ranks"] and a["params_compressed"] <= 0.25 * a["params_original"]
+    with pytest.raises(ValueError, match="TensorCompressionConfig.target"):
+        TensorCompressionConfig(method="tensorllm", target=0.25, ratio=4)
+    with pytest.raises(ValueError, match="TensorCompressionConfig.ranks"):
+        TensorCompressionConfig(method="tensorllm")

@@ -97,13 +97,14 @@ class TensorLLM(Method):
     default_rank = None
     layer_types = ("head_tucker_projection",)
     remedy = "larger ranks or a smaller ratio"
+    supports_target = True
     option_defaults = {"ranks": None, "ratio": None, "n_iter_max": 50, "tol": 1e-4, "init": "svd", "seed": 0}
 
     def validate_options(self, options):
         o = super().validate_options(options)
-        if (o["ranks"] is None) == (o["ratio"] is None):
-            fail("ranks", o["ranks"], "exactly one of ranks=(R1, R2, R3) and ratio=<compression rate > 1>; "
-                  f"got ratio={o['ratio']!r}")
+        if o["ranks"] is not None and o["ratio"] is not None:
+            fail("ranks", o["ranks"], "exactly one of ranks=(R1, R2, R3), ratio=<compression rate > 1> and "
+                  f"target=<fraction kept>; got ratio={o['ratio']!r}")
         if o["ranks"] is not None:
             r = o["ranks"]
             if not isinstance(r, (list, tuple)) or len(r) != 3 or not all(is_int(x, 1) for x in r):
@@ -118,8 +119,22 @@ class TensorLLM(Method):
 
     def validate_rank(self, rank, options):
         if rank is not None:
-            fail("rank", rank, "None for tensorllm: give ranks=(R1, R2, R3) or ratio=<compression rate>")
+            fail("rank", rank, "None for tensorllm: give ranks=(R1, R2, R3), ratio=<compression rate> or target=<fraction kept>")
+        if options["ranks"] is None and options["ratio"] is None:
+            fail("ranks", None, "exactly one of ranks=(R1, R2, R3), ratio=<compression rate > 1> and target=<fraction kept>")
         return None
+
+    def validate_target(self, target, options):
+        target = super().validate_target(target, options)
+        if options["ranks"] is not None or options["ratio"] is not None:
+            fail("target", target, "either target= (the fraction of each layer's attention parameters kept, = 1 / ratio) "
+                 "or ranks= / ratio=, not both")
+        return target
+
+    @staticmethod
+    def _ratio(entry) -> float | None:
+        """The compression rate asked for: ``ratio``, or ``1 / target`` (the same budget as a kept fraction)."""
+        return entry.options["ratio"] if entry.target is None else 1.0 / entry.target
 
     def _layers(self, modules) -> dict[str, dict[str, str]]:
         """{layer index: {role: module name}} in q, k, v, o order."""
@@ -143,7 +158,7 @@ class TensorLLM(Method):
                     raise ValueError(f"tensorllm: {ctx.prefix}.{name} is {got[0]}x{got[1]}, expected {want[0]}x{want[1]} "
                                      f"from the config (hidden {d}, {h} heads, {kv} KV heads, head_dim {hd}); "
                                      "allowed: standard multi-head / grouped-query projections")
-            ratio = entry.options["ratio"]
+            ratio = self._ratio(entry)
             if ratio is not None:
                 m = len(roles)
                 original = sum(modules[n].weight.numel() for n in roles.values())
@@ -174,7 +189,7 @@ class TensorLLM(Method):
             dtype, device = next(iter(weights.values())).dtype, next(iter(weights.values())).device
             tensor = head_slices(weights, hd, h)
             original = sum(w.numel() for w in weights.values())
-            ranks = tuple(opts["ranks"]) if opts["ranks"] else ranks_for_ratio(tensor, original, opts["ratio"])
+            ranks = tuple(opts["ranks"]) if opts["ranks"] else ranks_for_ratio(tensor, original, self._ratio(entry))
             t = tucker_hooi(tensor, ranks, n_iter_max=opts["n_iter_max"], tol=opts["tol"], init=opts["init"],
                             seed=opts["seed"], modes=[0, 1, 2])
             u1, u2, u3 = t.factors
