@@ -371,3 +371,31 @@ def test_activation_aware_scaling_is_saved_and_exact_at_full_rank(tiny_dirs, tmp
     low = load(tiny_dirs["llama"], target=0.5, targets=["mlp.*"], activation_scales=path)
     for st in low.config.quantization_config.stats["modules"].values():
         assert st["byte_ratio"] <= 0.5  # the scale vector is paid for from the same budget
+
+
+def test_activation_scales_from_the_calibration_pipeline(tiny_dirs, tmp_path, ids):
+    """activation_scales="calibration" gives the same model as a scales file of the same mean |x|."""
+    from hf_tensorcomp.methods.einsort import save_activation_scales
+
+    calib = torch.randint(0, 101, (4, 16), generator=torch.Generator().manual_seed(2))
+    a = load(tiny_dirs["llama"], target=0.5, targets=["mlp.*"], layers=[0], activation_scales="calibration",
+             calibration=calib, propagate=False)
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    seen = {}
+    hooks = [dense.model.layers[0].mlp.get_submodule(n).register_forward_hook(
+        lambda m, args, out, n=n: seen.setdefault(n, []).append(args[0].reshape(-1, args[0].shape[-1]).abs()))
+        for n in ("gate_proj", "up_proj", "down_proj")]
+    with torch.no_grad():
+        dense(input_ids=calib)
+    for h in hooks:
+        h.remove()
+    path = save_activation_scales({f"model.layers.0.mlp.{n}": torch.cat(v).mean(0) for n, v in seen.items()},
+                                  tmp_path / "s.safetensors")
+    b = load(tiny_dirs["llama"], target=0.5, targets=["mlp.*"], layers=[0], activation_scales=path)
+    a.save_pretrained(tmp_path / "a")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "a")  # reloads without calibration data
+    with torch.no_grad():
+        assert rel_err(a(ids).logits, b(ids).logits) < 1e-4
+        assert torch.equal(again(ids).logits, a(ids).logits)
+    with pytest.raises(ValueError, match="TensorCompressionConfig.calibration"):
+        TensorCompressionConfig(method="einsort", activation_scales="calibration")

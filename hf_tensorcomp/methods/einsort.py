@@ -23,8 +23,9 @@ dtype — honest bytes, so permutation indices, sign bits and pivots come out of
 (`check_unit` fails before loading weights if they alone exceed it). A float ``rank`` (the old
 spelling of the byte budget) is refused with a message saying to write ``target=``.
 
-Activation-aware (ASVD-style, the paper's Appendix H): ``activation_scales`` names a safetensors
-file of per-module mean |input| vectors (`activation_scales` / `save_activation_scales` below, from
+Activation-aware (ASVD-style, the paper's Appendix H): ``activation_scales="calibration"`` takes
+each module's mean |input| from the calibration pipeline (``calibration=`` text, layer by layer), or
+``activation_scales`` names a safetensors file of per-module mean |input| vectors (`activation_scales` / `save_activation_scales` below, from
 calibration text); W diag(s), s = mean|x|^alpha, is what gets sorted and decomposed.
 """
 
@@ -45,6 +46,7 @@ from .base import Method, register_method, spec_fail
 
 SORTS = ("shared", "full", "none")
 SORT_DIMS = ("in", "out")
+CALIBRATED = "calibration"  # activation_scales from the calibration pipeline instead of a file
 FACTOR_DTYPES = (None, "float32", "bfloat16", "float16")
 
 
@@ -116,6 +118,9 @@ class EinSort(Method):
             o["activation_scales"] = str(path)
         return o
 
+    def needs(self, entry):
+        return frozenset({"abs_mean"}) if entry.options["activation_scales"] == CALIBRATED else frozenset()
+
     supports_target = True
 
     def validate_rank(self, rank, options):
@@ -157,7 +162,7 @@ class EinSort(Method):
 
     def check_unit(self, modules, entry, ctx):
         o = entry.options
-        if o["activation_scales"]:
+        if o["activation_scales"] and o["activation_scales"] != CALIBRATED:
             _check_scales(o["activation_scales"], {f"{ctx.prefix}.{n}": m.in_features for n, m in modules.items()})
         for name, mod in modules.items():
             where = f"{ctx.prefix}.{name} ({mod.out_features}x{mod.in_features})"
@@ -204,7 +209,10 @@ class EinSort(Method):
 
     def compress(self, modules, entry, ctx):
         o = entry.options
-        scales = _load_scales(o["activation_scales"]) if o["activation_scales"] else None
+        if o["activation_scales"] == CALIBRATED:  # mean |x| of each module's inputs, from the pipeline
+            scales = {f"{ctx.prefix}.{n}": st.abs_mean for n, st in (ctx.stats or {}).items()}
+        else:
+            scales = _load_scales(o["activation_scales"]) if o["activation_scales"] else None
         out = {}
         for name, lin in modules.items():
             w = lin.weight.detach().float()
