@@ -220,7 +220,18 @@ def main() -> None:
     path = RESULTS / f"{NAME}.json"
     rows = json.loads(path.read_text()) if args.report_only else run(cfg)
     md = report(rows)
-    (RESULTS / f"{NAME}.md").write_text(f"# Calibrated compression (every decoder linear)\n\n{md}\n")
+    (RESULTS / f"{NAME}.md").write_text(
+        "# Calibrated compression (every decoder linear)\n\n"
+        "LASER on every decoder-layer linear; `target` = fraction of those weight parameters kept. Calibration: "
+        f"{cfg['calibration_samples']} x {cfg['calibration_length']} tokens of the Wikipedia calib split; perplexity: "
+        f"{cfg['eval_tokens']} tokens of the disjoint eval split, ctx 512; goal_step_wikihow: first "
+        f"{cfg['wikihow_examples']} examples. Bytes: every tensor at bf16 (quanto: its bits plus bf16 scales), the "
+        "embeddings included. One CPU thread per run, on a 2-core machine shared with other jobs (compression "
+        "times are upper bounds). Variants: plain = truncated SVD, uniform ranks (data-free); asvd; whiten_uniform = "
+        "SVD-LLM whitening, uniform ranks; whiten_global = whitening, ranks allocated by the Fisher-weighted loss; "
+        "fisher = whitening + Fisher-weighted SVD + that allocation (the main job); _noprop = without propagation; "
+        "_correct = with error correction.\n\n"
+        f"{md}\n")
     plot(rows, RESULTS / f"{NAME}.png")
     print(md)
 
