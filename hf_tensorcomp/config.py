@@ -153,9 +153,10 @@ class TensorCompressionConfig(QuantizationConfigMixin):
             fail("progress", progress, "True | False")
         self.progress = progress
         self.calibration = validate_calibration(calibration)
-        for field, lo in (("calibration_samples", 1), ("calibration_length", 2), ("calibration_batch_size", 1)):
-            if not is_int(locals()[field], lo):
-                fail(field, locals()[field], f"an int >= {lo}")
+        for field, value, lo in (("calibration_samples", calibration_samples, 1), ("calibration_length", calibration_length, 2),
+                                 ("calibration_batch_size", calibration_batch_size, 1)):
+            if not is_int(value, lo):
+                fail(field, value, f"an int >= {lo}")
         if not is_int(calibration_seed):
             fail("calibration_seed", calibration_seed, "an int")
         if not isinstance(propagate, bool):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibration.data import describe
+from .calibration.data import describe, is_token_ids
 from . import checks
 from .config import TensorCompressionConfig
 from .layers import FactorizedModule, build_from_spec, layer_build_order
@@ -182,11 +182,9 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
             compress_unit(k, names, None)
     else:
         by_last: dict[int, list] = {}  # a unit is compressed once its last layer's statistics are in
-        wanted: dict[int, dict[str, frozenset]] = {}
         for k, names in work:
             by_last.setdefault(max(_layer_of(n) for n in names), []).append((k, names))
-            for n in names if needs[k] else ():
-                wanted.setdefault(_layer_of(n), {})[n] = needs[k]
+        wanted = _by_layer({n: needs[k] for k, names in work if needs[k] for n in names})
         pending: dict = {}
 
         def on_layer(li, stats):
@@ -219,14 +217,20 @@ def _layer_of(name: str) -> int:
     return int(name.split(".", 1)[0])
 
 
+def _by_layer(kinds: dict[str, frozenset]) -> dict[int, dict[str, frozenset]]:
+    """{module name: statistics} grouped by decoder layer, the shape `LayerwiseRunner.run` takes."""
+    out: dict[int, dict[str, frozenset]] = {}
+    for n, k in kinds.items():
+        out.setdefault(_layer_of(n), {})[n] = k
+    return out
+
+
 def _calibration_tokenizer(model: nn.Module, config: TensorCompressionConfig):
     """The tokenizer for calibration texts: the config's (object or path), else the model's own folder's."""
     tok = config.calibration_tokenizer
     if tok is not None and not isinstance(tok, str):
         return tok
-    if not isinstance(config.calibration, (str, list)) and not hasattr(config.calibration, "column_names"):
-        return None  # token ids need none
-    if isinstance(config.calibration, list) and config.calibration and not isinstance(config.calibration[0], str):
+    if is_token_ids(config.calibration):
         return None
     from transformers import AutoTokenizer
 
@@ -251,9 +255,7 @@ def _allocate(config, work, methods, allocating, layer_list, runner, fisher) -> 
         ladders = {}
         kinds = m.ladder_needs(entry)
         if kinds:
-            wanted: dict[int, dict[str, frozenset]] = {}
-            for n in names:
-                wanted.setdefault(_layer_of(n), {})[n] = kinds
+            wanted = _by_layer({n: kinds for n in names})
 
             def on_layer(li, stats):
                 for n, st in stats.items():

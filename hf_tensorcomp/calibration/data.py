@@ -69,13 +69,18 @@ def describe(value: Any) -> Any:
     return {"described": f"{len(value)} {kind}"}
 
 
+def is_token_ids(value: Any) -> bool:
+    """Token ids (a tensor or lists of ints) need no tokenizer; names, texts and datasets do."""
+    return isinstance(value, torch.Tensor) or (isinstance(value, list) and bool(value) and isinstance(value[0], list))
+
+
 def calibration_ids(value: Any, tokenizer, samples: int, length: int, seed: int) -> torch.Tensor:
     """The calibration batch: LongTensor (n, length [+1 for BOS]) with n = min(samples, windows available)."""
     if isinstance(value, dict):
         raise ValueError(
             f"TensorCompressionConfig.calibration: this config only records {value['described']!r} (the data itself is "
             "not saved); pass the calibration data again to compress")
-    if isinstance(value, torch.Tensor) or (isinstance(value, list) and value and isinstance(value[0], list)):
+    if is_token_ids(value):
         rows = torch.as_tensor(value, dtype=torch.long) if not isinstance(value, torch.Tensor) else value.long()
         g = torch.Generator().manual_seed(seed)
         pick = torch.randperm(rows.shape[0], generator=g)[:samples].sort().values
