@@ -27,6 +27,7 @@ def lr_schedule(step: int, total: int, warmup: float = 0.05, floor: float = 0.0)
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@torch.enable_grad()  # from_pretrained may be called under torch.no_grad()
 def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.05, epochs: int = 1,
         batch_size: int = 64, seed: int = 0, warmup: float = 0.05, floor: float = 0.0, targets: torch.Tensor | None = None,
         progress: bool = False, desc: str = "fit") -> list[float]:
