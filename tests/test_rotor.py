@@ -189,6 +189,8 @@ def test_hadamard_transform_matches_sylvester_matrix():
 
 # --------------------------------------------------------------------------------------------- layer
 
+from transformers import AutoModelForCausalLM  # noqa: E402
+
 from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.layers import BlockHadamardLinear, LowRankLinear, RotorLinear, build_from_spec  # noqa: E402
 from hf_tensorcomp.layers.rotor import rotor_param_count, windows  # noqa: E402
@@ -471,3 +473,14 @@ def test_retrain_o_fits_the_block_output_and_reloads(tiny_dirs, tmp_path):
     ids = torch.randint(0, 101, (1, 9))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, m(ids).logits)
+
+
+def test_trains_when_loaded_under_no_grad(tiny_dirs):
+    """from_pretrained inside torch.no_grad() (common in evaluation scripts) still trains the stand-ins."""
+    cal = torch.randint(0, 101, (8, 16), generator=_g(5))
+    cfg = TensorCompressionConfig(method="rotor", structure="lr4", layers=[1], lr=0.05, batch_size=16, epochs=8,
+                                  calibration=cal, progress=False)
+    with torch.no_grad():
+        m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
+    st = m.config.quantization_config.stats["modules"]["model.layers.1.self_attn.q_proj"]
+    assert st["loss"][-1] < st["loss"][0] and st["rel_error"] < 1
