@@ -1,7 +1,8 @@
 """The CUDA path: every method compresses on the GPU, matches the CPU result, reloads onto the GPU with
 identical logits and generates; the calibration pipeline and the EinSort KV cache run on the GPU.
 
-Skipped where no CUDA device is present (CI machines have none); run on a GPU machine with
+Skipped where no CUDA device is present (CI machines have none; checked so far only with "cuda" replaced by
+"cpu"); run on a GPU machine with
 ``pytest tests/test_gpu.py``.
 """
 
