@@ -150,14 +150,13 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         ids = calibration_ids(config.calibration, _calibration_tokenizer(model, config), config.calibration_samples,
                               config.calibration_length, config.calibration_seed)
         runner = LayerwiseRunner(model, prefix, layer_list, ids, config.calibration_batch_size)
-    fisher = {}
     sensitive = [n for k, names in work for n in names
                  if "fisher" in needs[k] | (methods[k].ladder_needs(config.entries[k]) if allocating[k] else frozenset())]
     if sensitive:  # one backward pass of the dense model, before anything changes
         from .calibration.sensitivity import output_fisher
 
-        fisher = output_fisher(model, layer_list, sensitive, runner.ids)
-    allocation = _allocate(config, work, methods, allocating, layer_list, runner, fisher)
+        runner.fisher = output_fisher(model, layer_list, sensitive, runner.ids)
+    allocation = _allocate(config, work, methods, allocating, layer_list, runner)
     module_stats = {}
 
     def compress_unit(k, names, stats):
@@ -188,8 +187,6 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         pending: dict = {}
 
         def on_layer(li, stats):
-            for n, st in stats.items():
-                st.fisher = fisher.get(n)
             pending.update(stats)
             for k, names in by_last.get(li, []):
                 compress_unit(k, names, {n: pending.pop(n) for n in names if n in pending} if needs[k] else None)
@@ -242,7 +239,7 @@ def _calibration_tokenizer(model: nn.Module, config: TensorCompressionConfig):
                          "allowed: a tokenizer object or path, or token ids as calibration") from None
 
 
-def _allocate(config, work, methods, allocating, layer_list, runner, fisher) -> dict[int, dict]:
+def _allocate(config, work, methods, allocating, layer_list, runner) -> dict[int, dict]:
     """Per entry with a global `target`: the rung of every module's ladder, meeting the budget."""
     from .decompositions.allocation import allocate
 
@@ -259,7 +256,6 @@ def _allocate(config, work, methods, allocating, layer_list, runner, fisher) -> 
 
             def on_layer(li, stats):
                 for n, st in stats.items():
-                    st.fisher = fisher.get(n)
                     ladders[n] = m.ladder(n, layer_list.get_submodule(n), st, entry)
                 return False
 

@@ -353,7 +353,7 @@ def test_method_compresses_from_calibration_inputs(structure, layer_type):
     modules = {"0.self_attn.q_proj": q, "0.self_attn.k_proj": k}
     method.check_unit(modules, entry, _ctx(None))
     stats = {"0.self_attn.q_proj": SimpleNamespace(inputs=torch.randn(300, 32, generator=_g(0))),
-             "model.layers.0.self_attn.k_proj": {"inputs": torch.randn(300, 32, generator=_g(1))}}  # full name, dict
+             "0.self_attn.k_proj": SimpleNamespace(inputs=torch.randn(300, 32, generator=_g(1)))}
     out = method.compress(modules, entry, _ctx(stats))
     for name, lin in modules.items():
         new, st = out[name]

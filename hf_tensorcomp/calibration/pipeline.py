@@ -36,6 +36,9 @@ class LayerwiseRunner:
 
     def __init__(self, model: nn.Module, prefix: str, layers: nn.ModuleList, ids: torch.Tensor, batch_size: int = 8):
         self.model, self.prefix, self.layers, self.ids = model, prefix, layers, ids
+        #: {module name: per-output-channel Fisher} from `sensitivity.output_fisher`, attached to every
+        #: statistic of that module the runner hands out (computed once, on the dense model)
+        self.fisher: dict[str, torch.Tensor] = {}
         base = model.get_submodule(prefix.rpartition(".")[0])  # the decoder stack: embeddings, layers, norm
         device = next(model.parameters()).device
         self.hidden: list[torch.Tensor] = []
@@ -108,6 +111,7 @@ class LayerwiseRunner:
                 stats = hooks.close()
             for n, st in stats.items():
                 st.kinds = wanted[li][n]
+                st.fisher = self.fisher.get(n)
             changed = on_layer(li, stats)
             del stats
             if changed and propagate and li < last:

@@ -13,14 +13,17 @@ def truncated_svd(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
     factor carries all the scale when cast back to half precision.
     Returns u: (out, rank), v: (rank, in).
     """
-    if w.ndim != 2:
-        raise ValueError(f"truncated_svd: expected a matrix, got shape {tuple(w.shape)}")
-    full = min(w.shape)
-    if not 1 <= rank <= full:
-        raise ValueError(f"truncated_svd: rank {rank} outside [1, {full}] for shape {tuple(w.shape)}")
+    _check_rank("truncated_svd", w, rank)
     U, S, Vh = torch.linalg.svd(w.detach().float(), full_matrices=False)
     s = S[:rank].sqrt()
     return U[:, :rank] * s, s[:, None] * Vh[:rank]
+
+
+def _check_rank(fn: str, w: torch.Tensor, rank: int) -> None:
+    if w.ndim != 2:
+        raise ValueError(f"{fn}: expected a matrix, got shape {tuple(w.shape)}")
+    if not 1 <= rank <= min(w.shape):
+        raise ValueError(f"{fn}: rank {rank} outside [1, {min(w.shape)}] for shape {tuple(w.shape)}")
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
@@ -64,9 +67,7 @@ def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
     ``d`` (optional, 1-D over output channels): weights of the output error as well, ‖D (W - W') Xᵀ‖
     (Fisher-weighted SVD with d = sqrt of the outputs' mean squared loss gradient).
     """
-    full = min(w.shape)
-    if not 1 <= rank <= full:
-        raise ValueError(f"whitened_svd: rank {rank} outside [1, {full}] for shape {tuple(w.shape)}")
+    _check_rank("whitened_svd", w, rank)
     ws = _weighted(w, s, d)
     U, S, Vh = torch.linalg.svd(ws, full_matrices=False)
     root = S[:rank].sqrt()

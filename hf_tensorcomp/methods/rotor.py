@@ -154,13 +154,10 @@ class Rotor(Method):
             raise ValueError("method 'rotor' trains every replaced projection on that projection's real input "
                              "activations, and none were collected: set TensorCompressionConfig(calibration=...) "
                              "(e.g. calibration='wikipedia')")
-        item = stats.get(name)
-        if item is None:
-            item = stats.get(f"{ctx.prefix}.{name}")
-        if item is None:
+        if name not in stats:
             raise ValueError(f"rotor: the calibration stats hold no entry for {ctx.prefix}.{name}; got entries for "
                              f"{sorted(stats)[:6]}{' ...' if len(stats) > 6 else ''}")
-        x = item["inputs"] if isinstance(item, dict) else getattr(item, "inputs", None)
+        x = getattr(stats[name], "inputs", None)
         if not isinstance(x, torch.Tensor) or x.ndim != 2:
             raise ValueError(f"rotor: ctx.stats[{name!r}].inputs must be a (tokens x in_features) tensor; got "
                              f"{type(x).__name__}{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}")
