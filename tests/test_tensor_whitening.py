@@ -126,3 +126,12 @@ def test_trawl_target_keeps_at_most_that_fraction(decomposition, target, tiny_di
 def test_bad_whitening_and_target_settings_name_the_field(cfg, field):
     with pytest.raises(ValueError, match=field):
         TensorCompressionConfig(**cfg)
+
+
+@torch.no_grad()
+def test_whitened_checkpoint_reloads_without_calibration(tiny_dirs, tmp_path, ids):
+    m = load(tiny_dirs["gemma3"], method="trawl", decomposition="tucker", group="qkvo", target=0.5, whiten=True,
+             calibration=calib_ids())
+    m.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(back(ids).logits, m(ids).logits)
