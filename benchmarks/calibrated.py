@@ -51,6 +51,13 @@ VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/t
     "fisher": {"whiten": True, "allocation": "global", "weighting": "fisher"},
     "fisher_noprop": {"whiten": True, "allocation": "global", "weighting": "fisher", "propagate": False},
     "fisher_correct": {"whiten": True, "allocation": "global", "weighting": "fisher", "correct": True},
+    # attention only (q, k, v, o of every layer), same kept fraction per layer: TensorLLM and TRAWL (Tucker)
+    # data-free vs whitened, beside whitened LASER with uniform ranks (calibrate=False: no calibration at all)
+    "attn_laser_whiten": {"targets": ["self_attn.*_proj"], "whiten": True, "allocation": "uniform"},
+    "attn_tensorllm": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "calibrate": False},
+    "attn_tensorllm_whiten": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True},
+    "attn_trawl": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "calibrate": False},
+    "attn_trawl_whiten": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True},
 }
 NAME = "calibrated"
 
@@ -86,6 +93,18 @@ def _linear_params(model) -> int:
     return sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
 
 
+def _targeted_kept(model, patterns, stats) -> float:
+    """Fraction of the targeted modules' weight parameters kept (their dense in x out, then what compression removed)."""
+    from fnmatch import fnmatchcase
+
+    from hf_tensorcomp.surgery import find_decoder_layers
+
+    _, layers = find_decoder_layers(model)
+    dense = sum(m.in_features * m.out_features for layer in layers for n, m in layer.named_modules()
+                if any(fnmatchcase(n, p) for p in patterns) and hasattr(m, "in_features"))
+    return (dense - (stats["params_before"] - stats["params_after"])) / dense
+
+
 def _one(job: dict, q) -> None:
     import torch
 
@@ -107,17 +126,22 @@ def _one(job: dict, q) -> None:
         row["compress_s"] = round(time.perf_counter() - t0, 1)
     else:
         fields = dict(VARIANTS[job["variant"]])
+        calibrate = fields.pop("calibrate", job["variant"] != "plain")
+        method = fields.pop("method", "laser")
+        if method != "trawl":
+            fields.setdefault("targets", ["*_proj"])
         cfg = TensorCompressionConfig(
-            method="laser", target=job["target"], targets=["*_proj"], progress=False,
-            calibration=None if job["variant"] == "plain" else "wikipedia",
+            method=method, target=job["target"], progress=False,
+            calibration="wikipedia" if calibrate else None,
             calibration_samples=job["calibration_samples"], calibration_length=job["calibration_length"],
             propagate=fields.pop("propagate", True), **fields)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg)
         st = model.config.quantization_config.stats
+        row["targeted_kept"] = _targeted_kept(model, cfg.entries[0].targets, st)
         row["compress_s"] = st["compress_seconds"]
         row["bytes"] = _bf16_bytes(model)
         alloc = st.get("allocation", {}).get("0")
-        ranks = {n: m["rank"] for n, m in st["modules"].items()}
+        ranks = {n: m.get("rank", m.get("ranks")) for n, m in st["modules"].items() if "rank" in m or "ranks" in m}
         row["ranks"] = ranks
         if alloc:
             row["kept_dense"] = alloc["kept_dense"]
@@ -178,6 +202,7 @@ def report(rows: list[dict]) -> str:
         out.append(f"### {model}\n")
         out.append(markdown_table(rs, [("variant", "variant", "{}"), ("target", "target", "{}"),
                                        ("linear_kept", "linear params kept", "{:.3f}"),
+                                       ("targeted_kept", "targeted params kept", "{:.3f}"),
                                        ("bytes_ratio", "bytes vs dense (bf16)", "{:.3f}"), ("ppl", "perplexity", "{:.2f}"),
                                        ("ppl_ratio", "ppl vs dense", "{:.2f}x"), ("wikihow", "wikihow acc", "{:.3f}"),
                                        ("compress_s", "compress s", "{:.1f}"), ("peak_rss_mb", "peak RSS MB", "{:,}")]))
@@ -191,7 +216,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    best = [r for r in rows if r["variant"] == "fisher" and r.get("ranks")]
+    best = [r for r in rows if r["variant"] == "fisher" and r.get("ranks")]  # LASER's per-matrix ranks
     if not best:
         return
     fig, axes = plt.subplots(1, len(best), figsize=(5 * len(best), 4), squeeze=False)
@@ -230,7 +255,9 @@ def main() -> None:
         "times are upper bounds). Variants: plain = truncated SVD, uniform ranks (data-free); asvd; whiten_uniform = "
         "SVD-LLM whitening, uniform ranks; whiten_global = whitening, ranks allocated by the Fisher-weighted loss; "
         "fisher = whitening + Fisher-weighted SVD + that allocation (the main job); _noprop = without propagation; "
-        "_correct = with error correction.\n\n"
+        "_correct = with error correction; attn_* = q, k, v, o of every layer only (`targeted params kept`: of "
+        "those), each layer keeping the same fraction: LASER whitened (uniform ranks), TensorLLM and TRAWL Tucker "
+        "(qkvo) data-free or with `whiten=True`.\n\n"
         f"{md}\n")
     plot(rows, RESULTS / f"{NAME}.png")
     print(md)

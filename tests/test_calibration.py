@@ -170,7 +170,7 @@ def test_calibration_texts_windows_are_seeded_and_disjoint_from_eval():
     (dict(method="laser", calibration=[1, 2]), "calibration"),
     (dict(method="laser", calibration="wikipedia", calibration_samples=0), "calibration_samples"),
     (dict(method="laser", calibration="wikipedia", propagate="yes"), "propagate"),
-    (dict(method="trawl", target=0.5), "target"),
+    (dict(method="rotor", target=0.5, calibration="wikipedia"), "target"),  # a method without a budget
     (dict(method="laser", correct=True, calibration="wikipedia"), "correct"),
     (dict(method="laser", weighting="hessian", calibration="wikipedia"), "weighting"),
 ])

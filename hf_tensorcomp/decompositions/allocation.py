@@ -13,7 +13,9 @@ rung that could still be climbed.
 from __future__ import annotations
 
 import heapq
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
+
+import torch
 
 
 def allocate(ladders: dict[Hashable, tuple[Sequence[float], Sequence[float]]], budget: float) -> dict[Hashable, int]:
@@ -47,3 +49,29 @@ def allocate(ladders: dict[Hashable, tuple[Sequence[float], Sequence[float]]], b
         else:
             blocked.append(k)  # this matrix stops here: climbing further would break the budget
     return chosen
+
+
+def multilinear_ranks(tensor: torch.Tensor, modes: Sequence[int], count: Callable[[list[int]], float],
+                      budget: float) -> list[int] | None:
+    """Ranks for `modes` of a Tucker decomposition whose parameter ``count(ranks)`` is at most `budget`.
+
+    Greedy on the spectra of the mode unfoldings: from full ranks, drop one rank at a time where the
+    discarded squared singular value per parameter saved is smallest (the HOSVD error bound is the
+    sum over modes of the discarded squared singular values). None if ranks of 1 still cost too much.
+    """
+    spectra = [torch.linalg.svdvals(torch.movedim(tensor, n, 0).reshape(tensor.shape[n], -1)).pow(2) for n in modes]
+    ranks = [len(s) for s in spectra]
+    while count(ranks) > budget:
+        best, best_score = None, None
+        for n in range(len(ranks)):
+            if ranks[n] == 1:
+                continue
+            smaller = ranks.copy()
+            smaller[n] -= 1
+            score = spectra[n][ranks[n] - 1].item() / (count(ranks) - count(smaller))
+            if best is None or score < best_score:
+                best, best_score = n, score
+        if best is None:
+            return None
+        ranks[best] -= 1
+    return ranks

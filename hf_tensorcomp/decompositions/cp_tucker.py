@@ -80,3 +80,21 @@ def tucker_hooi(tensor: torch.Tensor, ranks, n_iter_max: int = 100, tol: float =
     finally:
         torch.random.set_rng_state(state)
     return Tucker(core.clone(), [f.clone() for f in factors], None if modes is None else list(modes))
+
+
+def fit_core(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pl: torch.Tensor | None = None,
+             pr: torch.Tensor | None = None, diagonal: bool = False) -> torch.Tensor:
+    """The core M minimising ‖Lᵀ (T - A M Bᵀ) R‖_F for fixed factors, in float64.
+
+    ``pl = L Lᵀ`` and ``pr = R Rᵀ`` (None: identity) are metrics on T's rows and columns: for a
+    matrix that reads x through its columns, ``pr`` = XᵀX makes this the output error ‖(T - T') Xᵀ‖.
+    M = (AᵀPl A)⁻¹ Aᵀ Pl T Pr B (Bᵀ Pr B)⁻¹; ``diagonal=True`` (CP): the best M = diag(c),
+    c = ((AᵀPl A) ∘ (Bᵀ Pr B))⁻¹ diag(Aᵀ Pl T Pr B).
+    """
+    a, b, t = a.double(), b.double(), t.double()
+    pa = a if pl is None else pl.double() @ a
+    pb = b if pr is None else pr.double() @ b
+    rhs = pa.T @ t @ pb
+    if diagonal:
+        return torch.linalg.solve((a.T @ pa) * (b.T @ pb), rhs.diagonal())
+    return torch.linalg.solve(b.T @ pb, torch.linalg.solve(a.T @ pa, rhs).T).T

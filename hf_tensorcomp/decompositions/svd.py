@@ -56,6 +56,22 @@ def whitening_factor(gram: torch.Tensor, damping: float = 1e-4) -> torch.Tensor:
                      f"{lam / 10:g} x mean(diag); the calibration text is too short or the inputs are degenerate")
 
 
+def unwhiten_factor(s: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """S⁻ᵀ F (float64): an input-side factor fitted in whitened coordinates, back in the original ones.
+
+    A matrix W (out x in) reads x through its input side; with S Sᵀ = XᵀX (+ λI), ‖(W - W') Xᵀ‖ =
+    ‖(W - W') S‖, so one fits W S ≈ U Fᵀ (F: in x r) and keeps W' = U (S⁻ᵀ F)ᵀ: the same shapes.
+    """
+    return torch.linalg.solve_triangular(s.T, f.double(), upper=True)
+
+
+def whiten_mode(t: torch.Tensor, s: torch.Tensor, mode: int) -> torch.Tensor:
+    """T ×_mode Sᵀ (float64): every slice along `mode` multiplied by Sᵀ there, i.e. each matrix that
+    reads its input through that mode becomes W S (see `unwhiten_factor` for the way back)."""
+    moved = torch.movedim(t.double(), mode, 0)
+    return torch.movedim((s.T @ moved.reshape(moved.shape[0], -1)).reshape(moved.shape), 0, mode)
+
+
 def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
                  d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Best rank-`rank` W' for the output error ‖(W - W') Xᵀ‖ (SVD-LLM): SVD of W S, S⁻¹ folded in.
@@ -79,8 +95,8 @@ def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
         v = b
     elif s.ndim == 1:
         v = b / s
-    else:  # v = b S⁻¹  <=>  Sᵀ vᵀ = bᵀ
-        v = torch.linalg.solve_triangular(s.T, b.T, upper=True).T
+    else:  # v = b S⁻¹  <=>  vᵀ = S⁻ᵀ bᵀ
+        v = unwhiten_factor(s, b.T).T
     return u.float(), v.float(), S
 
 

@@ -20,6 +20,16 @@ Ranks: ``ranks=(R1, R2, R3)``, or ``ratio=CR`` — the paper's compression rate 
 attention weight count over the compressed count, biases excluded) — for which ranks are chosen
 from the mode spectra: starting at full rank, repeatedly drop the rank whose discarded squared
 singular value (of that mode's unfolding) per parameter saved is smallest, until the count fits.
+
+``whiten=True`` (needs ``calibration=``): mode 1 (d_model) is the *input* side of every Q, K and V
+slab, and all of them read the same normed hidden state x. The tensor is whitened on that mode by S
+(S Sᵀ = XᵀX + λI, `whitening_factor`): W_all → W_all ×1 Sᵀ, ranks are chosen from the whitened
+spectra, and S⁻ᵀ is folded back into U1 — so for Q, K, V the HOOI minimises the output error
+‖X (W - W')‖ and the forward costs what it costs without whitening. (W^O)ᵀ's d_model mode is its
+*output* side and its input (the attention output, read through mode 2, which Q/K/V use as their
+output side) is another tensor, so one shared U1 / U2 cannot whiten it: it rides along in the same
+coordinates, and afterwards, when R3 = m (every matrix its own core), its per-head cores are refitted
+jointly by least squares to o_proj's own output error from o_proj's input Gram (`fit_core`).
 """
 
 from __future__ import annotations
@@ -28,6 +38,9 @@ import torch
 
 from ..validation import fail, is_int
 from ..decompositions import relative_error, tucker_hooi
+from ..decompositions.allocation import multilinear_ranks
+from ..decompositions.cp_tucker import fit_core
+from ..decompositions.svd import unwhiten_factor, whiten_mode, whitening_factor
 from ..layers import HeadTuckerFactors, HeadTuckerProjection
 from .base import Method, check_solver_options, register_method, spec_fail
 
@@ -61,32 +74,14 @@ def param_count(d_model: int, head_dim: int, m: int, h: int, ranks) -> int:
 
 
 def ranks_for_ratio(tensor: torch.Tensor, original: int, ratio: float) -> tuple[int, int, int]:
-    """Multilinear ranks (R1, R2, R3) whose parameter count is at most ``original / ratio``.
-
-    Greedy on the spectra of the mode-1..3 unfoldings: drop, one at a time, the rank whose squared
-    singular value per parameter saved is smallest (the HOSVD error bound is the sum over modes of
-    the discarded squared singular values).
-    """
+    """Multilinear ranks (R1, R2, R3) whose parameter count is at most ``original / ratio``
+    (`multilinear_ranks`: greedy on the spectra of the mode-1..3 unfoldings)."""
     d, hd, m, h = tensor.shape
-    spectra = [torch.linalg.svdvals(torch.movedim(tensor, n, 0).reshape(tensor.shape[n], -1)).pow(2) for n in range(3)]
-    ranks = [len(s) for s in spectra]
-    budget = original / ratio
-    while param_count(d, hd, m, h, ranks) > budget:
-        best, best_score = None, None
-        for n in range(3):
-            if ranks[n] == 1:
-                continue
-            smaller = ranks.copy()
-            smaller[n] -= 1
-            saved = param_count(d, hd, m, h, ranks) - param_count(d, hd, m, h, smaller)
-            score = spectra[n][ranks[n] - 1].item() / saved
-            if best is None or score < best_score:
-                best, best_score = n, score
-        if best is None:
-            most = original / param_count(d, hd, m, h, ranks)
-            raise ValueError(f"TensorCompressionConfig.ratio: got {ratio}; allowed: at most {most:.1f} for this layer "
-                             "(ranks (1, 1, 1) already)")
-        ranks[best] -= 1
+    ranks = multilinear_ranks(tensor, (0, 1, 2), lambda r: param_count(d, hd, m, h, r), original / ratio)
+    if ranks is None:
+        most = original / param_count(d, hd, m, h, (1, 1, 1))
+        raise ValueError(f"TensorCompressionConfig.ratio: got {ratio}; allowed: at most {most:.1f} for this layer "
+                         "(ranks (1, 1, 1) already)")
     return tuple(ranks)
 
 
@@ -98,7 +93,8 @@ class TensorLLM(Method):
     layer_types = ("head_tucker_projection",)
     remedy = "larger ranks or a smaller ratio"
     supports_target = True
-    option_defaults = {"ranks": None, "ratio": None, "n_iter_max": 50, "tol": 1e-4, "init": "svd", "seed": 0}
+    option_defaults = {"ranks": None, "ratio": None, "n_iter_max": 50, "tol": 1e-4, "init": "svd", "seed": 0,
+                       "whiten": False, "damping": 1e-4}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -115,7 +111,14 @@ class TensorLLM(Method):
                 fail("ratio", o["ratio"], "a number > 1 (original attention parameters / compressed)")
             o["ratio"] = float(o["ratio"])
         check_solver_options(o)
+        if not isinstance(o["whiten"], bool):
+            fail("whiten", o["whiten"], "False | True (whiten the d_model mode by the Cholesky factor of XᵀX)")
+        if not isinstance(o["damping"], (int, float)) or isinstance(o["damping"], bool) or not 0 <= o["damping"] <= 10:
+            fail("damping", o["damping"], "a number in [0, 10]")
         return o
+
+    def needs(self, entry):
+        return frozenset({"gram"}) if entry.options["whiten"] else frozenset()
 
     def validate_rank(self, rank, options):
         if rank is not None:
@@ -188,11 +191,32 @@ class TensorLLM(Method):
             weights = {role: modules[name].weight for role, name in roles.items()}
             dtype, device = next(iter(weights.values())).dtype, next(iter(weights.values())).device
             tensor = head_slices(weights, hd, h)
+            s = None
+            if opts["whiten"]:
+                if ctx.stats is None:
+                    raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration=")
+                reads_x = [r for r in roles if r != "o"]
+                if reads_x:  # q/k/v: the layer's normed hidden state, through mode 1
+                    s = whitening_factor(ctx.stats[roles[reads_x[0]]].gram, opts["damping"])
+            fitted = tensor if s is None else whiten_mode(tensor, s, 0).float()
             original = sum(w.numel() for w in weights.values())
-            ranks = tuple(opts["ranks"]) if opts["ranks"] else ranks_for_ratio(tensor, original, self._ratio(entry))
-            t = tucker_hooi(tensor, ranks, n_iter_max=opts["n_iter_max"], tol=opts["tol"], init=opts["init"],
+            ranks = tuple(opts["ranks"]) if opts["ranks"] else ranks_for_ratio(fitted, original, self._ratio(entry))
+            t = tucker_hooi(fitted, ranks, n_iter_max=opts["n_iter_max"], tol=opts["tol"], init=opts["init"],
                             seed=opts["seed"], modes=[0, 1, 2])
             u1, u2, u3 = t.factors
+            core = t.core
+            refit = False
+            if s is not None:
+                u1 = unwhiten_factor(s, u1).float()
+            if opts["whiten"] and "o" in roles and ranks[2] == len(roles):  # every matrix its own cores: refit O's
+                core, u3 = torch.einsum("jr,abrh->abjh", u3, core), torch.eye(len(roles))
+                jo = list(roles).index("o")
+                p = whitening_factor(ctx.stats[roles["o"]].gram, opts["damping"])
+                blocks = torch.block_diag(*[u2] * h)  # (h hd) x (h R2): head i's columns read a_i through U2
+                c = fit_core(weights["o"], u1, blocks, None, p @ p.T).float()  # R1 x (h R2): [C_1 ... C_h]
+                core[:, :, jo, :] = c.view(ranks[0], h, ranks[1]).permute(0, 2, 1)
+                refit = True
+            t = type(t)(core, [u1, u2, u3], t.modes)
             compressed = param_count(d, hd, len(roles), h, ranks)
             container = f"{next(iter(roles.values())).rpartition('.')[0]}.{CONTAINER}"
             factors = HeadTuckerFactors(d, hd, h, ranks, dtype=dtype, device=device)
@@ -203,7 +227,8 @@ class TensorLLM(Method):
             err = relative_error(tensor, t.reconstruct())
             out[container] = (factors, {"ranks": list(ranks), "rel_error": err, "tensor": [d, hd, len(roles), h],
                                         "params_original": original, "params_compressed": compressed,
-                                        "compression_ratio": round(original / compressed, 3)})
+                                        "compression_ratio": round(original / compressed, 3),
+                                        **({"whitened": s is not None, "refit_o": refit} if opts["whiten"] else {})})
             for j, (role, name) in enumerate(roles.items()):
                 lin = modules[name]
                 proj = HeadTuckerProjection(factors, f"{ctx.prefix}.{container}", role, n_rep=h // kv if role in "kv" else 1,

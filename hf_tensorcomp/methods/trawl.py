@@ -15,7 +15,20 @@ Formulations: ``per_layer`` (default, the paper's), ``segmented`` (the model's e
 thirds, each one tensor over its chosen layers) and ``whole_model`` (one tensor over all chosen layers).
 
 ``rank``: CP rank R (int, or a fraction of min(O, N)); for Tucker an int R (ranks (n, R, R)), a float
-fraction of O and N, or three ints (R0, R1, R2).
+fraction of O and N, or three ints (R0, R1, R2). ``target=<fraction>`` instead: each group keeps at
+most that fraction of its matrices' weight parameters (K/V counted at their size in the model): CP
+takes the largest R that fits; Tucker keeps R0 = n and chooses (R1, R2) greedily from the mode spectra
+as TensorLLM does.
+
+``whiten=True`` (needs ``calibration=``, ``per_layer``): the input mode N is read by every matrix
+stacked as is; in a layer, Q, K, V (or gate, up) read the same normed hidden state x. The tensor is
+whitened on that mode by S (S Sᵀ = XᵀX + λI of x, `whitening_factor`): T_i → T_i S, and S⁻ᵀ is
+folded back into the shared factor B, so for those matrices the decomposition minimises the output
+error ‖(W - W') Xᵀ‖ instead of ‖W - W'‖ (exactly so for each HOOI/ALS step) and the forward costs the
+same. The other matrices (O, reading the attention output; down_proj, stacked transposed, whose N
+mode is its *output*) ride along in the same coordinates — one shared B cannot carry a second S —
+and afterwards their own slice core (CP: c_i; Tucker: M_i, when R0 = n) is refitted by least squares
+to their own output error, from their own input Gram, for the factors that were found (`fit_core`).
 """
 
 from __future__ import annotations
@@ -23,7 +36,10 @@ from __future__ import annotations
 import torch
 
 from ..validation import fail, choices, is_int
-from ..decompositions import cp_als, relative_error, tucker_hooi
+from ..decompositions import CP, Tucker, cp_als, relative_error, tucker_hooi
+from ..decompositions.allocation import multilinear_ranks
+from ..decompositions.cp_tucker import fit_core
+from ..decompositions.svd import unwhiten_factor, whiten_mode, whitening_factor
 from ..layers import SharedFactors, TensorSlice
 from .base import Method, check_solver_options, register_method, spec_fail
 
@@ -77,10 +93,12 @@ class Trawl(Method):
     name = "trawl"
     default_rank = 64
     layer_types = ("tensor_slice",)
+    supports_target = True
     remedy = ("a smaller rank (CP-ALS above the tensor's rank diverges), decomposition='tucker' (HOOI is stable), "
               "or init='random'")
     option_defaults = {"decomposition": "cp", "group": "fc", "formulation": "per_layer",
-                       "n_iter_max": 100, "tol": 1e-6, "init": "svd", "seed": 0}
+                       "n_iter_max": 100, "tol": 1e-6, "init": "svd", "seed": 0,
+                       "whiten": False, "damping": 1e-4}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -91,7 +109,17 @@ class Trawl(Method):
         if o["formulation"] not in FORMULATIONS:
             fail("formulation", o["formulation"], choices(FORMULATIONS))
         check_solver_options(o)
+        if not isinstance(o["whiten"], bool):
+            fail("whiten", o["whiten"], "False | True (whiten the shared input mode by the Cholesky factor of XᵀX)")
+        if o["whiten"] and o["formulation"] != "per_layer":
+            fail("whiten", o["whiten"], "False with formulation="
+                 f"{o['formulation']!r} (matrices of different layers read different inputs), or formulation='per_layer'")
+        if not isinstance(o["damping"], (int, float)) or isinstance(o["damping"], bool) or not 0 <= o["damping"] <= 10:
+            fail("damping", o["damping"], "a number in [0, 10]")
         return o
+
+    def needs(self, entry):
+        return frozenset({"gram"}) if entry.options["whiten"] else frozenset()
 
     def validate_rank(self, rank, options):
         if options["decomposition"] == "tucker" and isinstance(rank, (list, tuple)):
@@ -114,9 +142,25 @@ class Trawl(Method):
             thirds.setdefault(min(2, i * 3 // n_layers), []).append(i)
         return [thirds[k] for k in sorted(thirds)]
 
-    def _ranks(self, entry, n: int, out_dim: int, in_dim: int) -> tuple[int, int, int]:
+    @staticmethod
+    def _count(kind: str, n: int, out_dim: int, in_dim: int, ranks) -> int:
+        """Parameters of a group's factors and slices (biases excluded)."""
+        r0, r1, r2 = ranks
+        return r0 * (out_dim + in_dim + n) if kind == "cp" else out_dim * r1 + in_dim * r2 + r0 * r1 * r2 + n * r0
+
+    def _ranks(self, entry, n: int, out_dim: int, in_dim: int, original: int = 0, tensor=None) -> tuple[int, int, int]:
         r = entry.rank
-        if entry.options["decomposition"] == "cp":
+        kind = entry.options["decomposition"]
+        if entry.target is not None:  # a budget: at most target x the group's weight parameters
+            budget = entry.target * original
+            if kind == "cp":
+                r = int(budget // (out_dim + in_dim + n))
+                return (r, r, r)
+            if tensor is None:  # planning on the meta model: the smallest setting must fit
+                return (n, 1, 1) if self._count(kind, n, out_dim, in_dim, (n, 1, 1)) <= budget else (n, 0, 0)
+            r12 = multilinear_ranks(tensor, (1, 2), lambda q: self._count(kind, n, out_dim, in_dim, (n, *q)), budget)
+            return (n, *r12)
+        if kind == "cp":
             r = r if isinstance(r, int) else max(1, round(r * min(out_dim, in_dim)))
             return (r, r, r)
         if isinstance(r, list):
@@ -129,7 +173,13 @@ class Trawl(Method):
         if len(modules) < 2:
             raise ValueError(f"trawl: group {entry.options['group']!r} found only {sorted(modules)}; allowed: a group of at least 2 matrices")
         (out_dim, in_dim), _ = stacking_plan({k: tuple(m.weight.shape) for k, m in modules.items()}, _head_dim(ctx.config))
-        r0, r1, r2 = self._ranks(entry, len(modules), out_dim, in_dim)
+        original = sum(m.weight.numel() for m in modules.values())
+        r0, r1, r2 = self._ranks(entry, len(modules), out_dim, in_dim, original)
+        if min(r0, r1, r2) < 1:
+            least = self._count(entry.options["decomposition"], len(modules), out_dim, in_dim,
+                                (1, 1, 1) if entry.options["decomposition"] == "cp" else (len(modules), 1, 1))
+            fail("target", entry.target, f"at least {least / original:.4f} for this {len(modules)} x {out_dim} x {in_dim} "
+                 "group (its smallest factors)")
         most = len(modules) * out_dim * in_dim // max(len(modules), out_dim, in_dim)
         if entry.options["decomposition"] == "cp" and r0 > most:
             raise ValueError(f"TensorCompressionConfig.rank: got CP rank {r0}; allowed: at most {most} for this "
@@ -158,18 +208,46 @@ class Trawl(Method):
         weights = {k: m.weight for k, m in modules.items()}
         (out_dim, in_dim), plan = stacking_plan({k: tuple(w.shape) for k, w in weights.items()}, hd)
         tensor = stack(weights, plan, hd)
-        ranks = self._ranks(entry, len(weights), out_dim, in_dim)
+        s, shared = None, set(weights)
+        if opts["whiten"]:
+            if ctx.stats is None:
+                raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration=")
+            ref = next(k for k in weights if not plan[k][0])  # Q or gate: read the layer's normed hidden state
+            s = whitening_factor(ctx.stats[ref].gram, opts["damping"])
+            shared = {k for k in weights if not plan[k][0] and torch.equal(ctx.stats[k].gram, ctx.stats[ref].gram)}
+            fitted = whiten_mode(tensor, s, 2).float()
+        else:
+            fitted = tensor
+        original = sum(w.numel() for w in weights.values())
+        ranks = self._ranks(entry, len(weights), out_dim, in_dim, original, fitted)
         kw = dict(n_iter_max=opts["n_iter_max"], tol=opts["tol"], init=opts["init"], seed=opts["seed"])
         dtype = next(iter(weights.values())).dtype
-        if opts["decomposition"] == "cp":
-            d = cp_als(tensor, ranks[0], **kw)
-            c, a, b = d.weights_folded
+        cp = opts["decomposition"] == "cp"
+        if cp:
+            c, a, b = cp_als(fitted, ranks[0], **kw).weights_folded
             core = None
         else:
-            d = tucker_hooi(tensor, ranks, **kw)
+            d = tucker_hooi(fitted, ranks, **kw)
             c, a, b = d.factors
             core = d.core
-        group_err = relative_error(tensor, d.reconstruct())
+        refit = []
+        if s is not None:
+            b = unwhiten_factor(s, b).float()
+            if not cp and ranks[0] == len(weights):  # slice cores free: M_i = G[i], C = I
+                core, c = torch.einsum("ik,kab->iab", c, core), torch.eye(len(weights))
+            for i, name in enumerate(weights):
+                if name in shared or plan[name][1] > 1 or (not cp and ranks[0] < len(weights)):
+                    continue
+                p = whitening_factor(ctx.stats[name].gram, opts["damping"])
+                p = p @ p.T  # this matrix's own input metric: on T_i's rows if stacked transposed, else its columns
+                m = fit_core(tensor[i], a, b, *((p, None) if plan[name][0] else (None, p)), diagonal=cp).float()
+                if cp:
+                    c[i] = m
+                else:
+                    core[i] = m
+                refit.append(name)
+        recon = CP([c, a, b]) if cp else Tucker(core, [c, a, b])
+        group_err = relative_error(tensor, recon.reconstruct())
         first = next(iter(modules))
         container_name = f"{first.rpartition('.')[0]}.{CONTAINER}"
         factors = SharedFactors(opts["decomposition"], len(weights), out_dim, in_dim, ranks, dtype=dtype, device=a.device)
@@ -178,7 +256,11 @@ class Trawl(Method):
             factors.in_factor.copy_(b)
             if core is not None:
                 factors.core.copy_(core)
-        out = {container_name: (factors, {"ranks": list(ranks), "rel_error": group_err, "tensor": [len(weights), out_dim, in_dim]})}
+        info = {"ranks": list(ranks), "rel_error": group_err, "tensor": [len(weights), out_dim, in_dim],
+                "params_original": original, "params_compressed": self._count(opts["decomposition"], len(weights), out_dim, in_dim, ranks)}
+        if s is not None:
+            info.update(whitened=sorted(shared), refit=refit)
+        out = {container_name: (factors, info)}
         for i, (name, lin) in enumerate(modules.items()):
             transposed, n_rep = plan[name]
             sl = TensorSlice(factors, f"{ctx.prefix}.{container_name}", i, transposed, n_rep, hd,
