@@ -35,7 +35,6 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     return round((diff / norm).item(), 6)
 
 
-
 def whitening_factor(gram: torch.Tensor, damping: float = 1e-4) -> torch.Tensor:
     """Lower-triangular S with S Sᵀ = G + λI (SVD-LLM's whitening), in float64.
 
