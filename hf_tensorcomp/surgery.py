@@ -74,7 +74,7 @@ def plan(model: nn.Module, config: TensorCompressionConfig, check_units: bool = 
         for li in resolve_layers(entry.layers, len(layer_list)):
             for name, mod in layer_list[li].named_modules():
                 hits = [t for t in entry.targets if name and fnmatch.fnmatchcase(name, t)]
-                if not hits or not isinstance(mod, method.target_types):
+                if not hits or not method.is_target(mod):
                     continue
                 for t in hits:
                     matched_any[t] = True
@@ -87,6 +87,8 @@ def plan(model: nn.Module, config: TensorCompressionConfig, check_units: bool = 
                 claimed[full] = k
                 per_layer.setdefault(li, []).append(f"{li}.{name}")
         missing = [t for t, hit in matched_any.items() if not hit]
+        if missing and method.no_target_error is not None and not any(matched_any.values()):
+            raise ValueError(method.no_target_error)
         if missing:
             sample = sorted({n for n, m in layer_list[0].named_modules() if n and isinstance(m, method.target_types)})
             raise ValueError(
@@ -157,6 +159,12 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         from .calibration.sensitivity import output_fisher
 
         fisher = output_fisher(model, layer_list, sensitive, runner.ids)
+    grads = {}
+    graded = [n for k, names in work for n in names if "weight_grad" in needs[k]]
+    if graded:  # the loss gradient of the dense model's weights, before anything changes
+        from .calibration.sensitivity import weight_gradients
+
+        grads = weight_gradients(model, layer_list, graded, runner.ids)
     allocation = _allocate(config, work, methods, allocating, layer_list, runner, fisher)
     module_stats = {}
 
@@ -170,7 +178,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
             result = method.compress(mods, entry, unit_ctx)
         checks.check_outputs(result, mods, prefix, entry, method.remedy)
         for name, (new, st) in result.items():
-            if entry.mode == "dense":
+            if entry.mode == "dense" and isinstance(new, FactorizedModule):
                 new = new.to_dense()  # None for containers of shared factors: nothing to add
                 if new is None:
                     continue
@@ -190,12 +198,17 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         def on_layer(li, stats):
             for n, st in stats.items():
                 st.fisher = fisher.get(n)
+                st.weight_grad = grads.pop(n, None)
             pending.update(stats)
             for k, names in by_last.get(li, []):
                 compress_unit(k, names, {n: pending.pop(n) for n in names if n in pending} if needs[k] else None)
             return li in by_last
 
         runner.run(wanted, on_layer, last=max(by_last), propagate=config.propagate, progress=config.progress)
+    for k, entry in enumerate(config.entries):  # a method's whole-model step after its units (e.g. recovery)
+        done = methods[k].finish(model, entry, ctx, runner)
+        if done:
+            module_stats[f"entry {k}: {entry.method}"] = done
     config.compressed_modules = factored_specs(model)
     params_after = sum(p.numel() for p in model.parameters())
     config.stats = {

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .stats import InputCapture, ModuleStats, StatsHooks
+from .stats import PASS_KINDS, InputCapture, ModuleStats, StatsHooks
 
 
 class _Stop(Exception):
@@ -93,7 +93,7 @@ class LayerwiseRunner:
         paired = propagate and any("cross" in k for w in wanted.values() for k in w.values())
         dense = list(self.hidden) if paired else None
         for li in tqdm(range(last + 1), desc=desc, disable=not progress, unit="layer"):
-            want = {n: k - {"fisher"} for n, k in wanted.get(li, {}).items()}
+            want = {n: k - PASS_KINDS for n, k in wanted.get(li, {}).items()}
             dense_inputs = None
             if paired:
                 cap = InputCapture(self.layers[li], [n for n, k in want.items() if "cross" in k], f"{li}.")

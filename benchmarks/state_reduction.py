@@ -1,0 +1,170 @@
+"""State reduction of Gated DeltaNet layers: every scorer at several key-dim keeps, perplexity and mixer speed.
+
+For each scorer (DRRQR, Grad, S-Wanda, L1, Rand, PCA) and keep fraction: the model's linear-attention
+layers are pruned to ``round(keep * head_k_dim)`` key channels per head (calibration: the Wikipedia
+*calib* split), then perplexity on the Wikipedia *eval* split (disjoint paragraphs), compression
+time, and — once per keep — one mixer's prefill tokens/s against the unpruned mixer (same run, fixed
+threads) and the recurrent + conv state bytes per sequence of all linear-attention layers (fp32, as
+the PyTorch path keeps them). ``--recover-steps N`` adds rows after N steps of LoRA + distillation.
+
+    python benchmarks/state_reduction.py --model PATH          # a checkpoint with Gated DeltaNet layers
+    python benchmarks/state_reduction.py --model tiny          # a random tiny Qwen3.5 (pipeline check only)
+    python benchmarks/state_reduction.py --report-only         # re-render the table from the JSON
+
+The paper's claim to test (Gated DeltaNet 1.3B at 50 % key dim, before recovery: base 16.8, DRRQR
+17.3, Grad 17.4, Rand 18.8, L1 26.5): DRRQR and Grad stay near the base, L1 is the worst.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, ppl, write_json  # noqa: E402
+
+NAME = "state_reduction"
+SCORERS = ["drrqr", "grad", "wanda", "l1", "rand", "pca"]
+
+
+def load(model: str):
+    import hf_tensorcomp  # noqa: F401  (a linearized hybrid reloads through the library)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    if model == "tiny":
+        path = hf_tensorcomp.assets.model_path("smollm2")
+        tok = AutoTokenizer.from_pretrained(path)
+        cfg = Qwen3_5TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                                layer_types=["linear_attention", "full_attention"])
+        torch.manual_seed(0)
+        m = Qwen3_5ForCausalLM(cfg).eval()
+        m.name_or_path = str(path)  # the calibration tokenizer
+        return m, tok
+    return AutoModelForCausalLM.from_pretrained(model).eval(), AutoTokenizer.from_pretrained(model)
+
+
+def state_bytes(model) -> int:
+    from hf_tensorcomp.methods.state_reduction import find_mixers
+
+    total = 0
+    for m in find_mixers(model).values():
+        total += m.num_v_heads * m.head_k_dim * m.head_v_dim * 4  # recurrent state (fp32)
+        total += m.conv1d.out_channels * (m.conv1d.kernel_size[0] - 1) * m.conv1d.weight.element_size()
+    return total
+
+
+def prefill_tokens_per_s(mixer, hidden: int, length: int = 512, repeats: int = 3) -> float:
+    x = torch.randn(1, length, hidden, dtype=next(mixer.parameters()).dtype)
+    with torch.no_grad():
+        mixer(hidden_states=x)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            mixer(hidden_states=x)
+            best = min(best, time.perf_counter() - t)
+    return length / best
+
+
+def run(args) -> dict:
+    from hf_tensorcomp import TensorCompressionConfig
+    from hf_tensorcomp.methods.state_reduction import find_mixers
+    from hf_tensorcomp.surgery import compress_model
+
+    torch.set_num_threads(args.threads)
+    base, tok = load(args.model)
+    mixers = find_mixers(base)
+    first = next(iter(mixers.values()))
+    rows = [{"scorer": "base", "keep": 1.0, "head_k_dim": first.head_k_dim,
+             "ppl": round(ppl(base, tok, args.eval_tokens), 3), "state_bytes": state_bytes(base)}]
+    print(rows[-1], flush=True)
+    speed = {}
+    for keep in args.keeps:
+        for scorer in args.scorers:
+            for steps in sorted({0, args.recover_steps}):
+                model = copy.deepcopy(base)
+                cfg = TensorCompressionConfig(method="state_reduction", scorer=scorer, keep=keep, calibration="wikipedia",
+                                              calibration_samples=args.calibration_samples,
+                                              calibration_length=args.calibration_length, recover_steps=steps,
+                                              progress=False)
+                t = time.perf_counter()
+                compress_model(model, cfg)
+                seconds = time.perf_counter() - t
+                pruned = next(iter(find_mixers(model).values()))
+                row = {"scorer": scorer + (f"+lora{steps}" if steps else ""), "keep": keep, "head_k_dim": pruned.head_k_dim,
+                       "ppl": round(ppl(model, tok, args.eval_tokens), 3), "compress_s": round(seconds, 1),
+                       "state_bytes": state_bytes(model)}
+                if keep not in speed:
+                    dense_tps = prefill_tokens_per_s(first, base.config.get_text_config().hidden_size)
+                    tps = prefill_tokens_per_s(pruned, base.config.get_text_config().hidden_size)
+                    speed[keep] = {"keep": keep, "head_k_dim": pruned.head_k_dim, "dense_prefill_tok_s": round(dense_tps),
+                                   "pruned_prefill_tok_s": round(tps), "prefill_speedup": round(tps / dense_tps, 3),
+                                   "state_ratio": round(row["state_bytes"] / rows[0]["state_bytes"], 3)}
+                rows.append(row)
+                print(row, flush=True)
+                del model
+    return {"model": args.model, "eval_tokens": args.eval_tokens, "calibration_samples": args.calibration_samples,
+            "calibration_length": args.calibration_length, "threads": args.threads, "rows": rows,
+            "mixer_speed": list(speed.values())}
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows[1:]])
+
+
+def report(res: dict) -> str:
+    keeps = sorted({r["keep"] for r in res["rows"] if r["scorer"] != "base"}, reverse=True)
+    scorers = list(dict.fromkeys(r["scorer"] for r in res["rows"] if r["scorer"] != "base"))
+    base = next(r for r in res["rows"] if r["scorer"] == "base")
+    table = [["scorer"] + [f"keep {k} (dk {next(r['head_k_dim'] for r in res['rows'] if r['keep'] == k)})" for k in keeps]]
+    table.append(["base"] + [str(base["ppl"])] * len(keeps))
+    for s in scorers:
+        cells = []
+        for k in keeps:
+            r = next((r for r in res["rows"] if r["scorer"] == s and r["keep"] == k), None)
+            cells.append("" if r is None else str(r["ppl"]))
+        table.append([s] + cells)
+    speed = [["keep", "key head dim", "mixer prefill tok/s (dense)", "pruned", "speed-up", "state bytes ratio"]]
+    speed += [[str(s["keep"]), str(s["head_k_dim"]), str(s["dense_prefill_tok_s"]), str(s["pruned_prefill_tok_s"]),
+               str(s["prefill_speedup"]), str(s["state_ratio"])] for s in res["mixer_speed"]]
+    head = (f"# State reduction (`benchmarks/state_reduction.py`)\n\nModel: `{res['model']}`; perplexity on "
+            f"{res['eval_tokens']} tokens of the Wikipedia eval split; calibration {res['calibration_samples']} x "
+            f"{res['calibration_length']} tokens of the calib split; {res['threads']} thread(s).\n\n")
+    return head + markdown_table(table) + "\n\n" + markdown_table(speed) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--scorers", nargs="+", default=SCORERS)
+    p.add_argument("--keeps", nargs="+", type=float, default=[0.75, 0.5])
+    p.add_argument("--eval-tokens", type=int, default=8192)
+    p.add_argument("--calibration-samples", type=int, default=32)
+    p.add_argument("--calibration-length", type=int, default=256)
+    p.add_argument("--recover-steps", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=NAME, help="results file stem under benchmarks/results")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args()
+    json_path = RESULTS / f"{args.out}.json"
+    if args.report_only:
+        import json
+
+        res = json.loads(json_path.read_text())
+    else:
+        res = run(args)
+        write_json(f"{args.out}.json", res)
+    md = report(res)
+    (RESULTS / f"{args.out}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
