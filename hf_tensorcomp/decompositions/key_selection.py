@@ -1,6 +1,6 @@
 """The scorers of state reduction: which key/query channels of each linear-attention head to keep.
 
-Nikolaev et al., "The Key to State Reduction in Linear Attention: A Rank-based Perspective" (§3.3
+"The Key to State Reduction in Linear Attention: A Rank-based Perspective" (§3.3
 and App. B). All of them choose, per key head, one set of channels shared by queries and keys, the
 same number in every head. Shapes: ``wq``, ``wk`` (heads, dk, in) — the q / k projection rows of
 each head (the paper's columns of W_Q, W_K); activations (tokens, heads, dk).

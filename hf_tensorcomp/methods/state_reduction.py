@@ -1,6 +1,6 @@
 """State reduction: prune key / query channels of Gated DeltaNet layers (a smaller recurrent state).
 
-Nikolaev et al., "The Key to State Reduction in Linear Attention: A Rank-based Perspective". Every
+"The Key to State Reduction in Linear Attention: A Rank-based Perspective". Every
 linear-attention mixer keeps ``round(keep * head_k_dim)`` key channels per head; one index set per
 head is shared by queries and keys (the mixer is invariant only under a joint transformation,
 Prop. 3.1) and is applied to the q / k projection rows and the q / k channels of the short
