@@ -1,13 +1,13 @@
 """State reduction of Gated DeltaNet layers: every scorer at several key-dim keeps, perplexity and mixer speed.
 
 For each scorer (DRRQR, Grad, S-Wanda, L1, Rand, PCA) and keep fraction: the model's linear-attention
-layers are pruned to ``round(keep * head_k_dim)`` key channels per head (calibration: the Wikipedia
+layers are pruned to ``keep * head_k_dim`` (rounded half up) key channels per head (calibration: the Wikipedia
 *calib* split), then perplexity on the Wikipedia *eval* split (disjoint paragraphs), compression
 time, and — once per keep — one mixer's prefill tokens/s against the unpruned mixer (same run, fixed
 threads) and the recurrent + conv state bytes per sequence of all linear-attention layers (fp32, as
 the PyTorch path keeps them). ``--recover-steps N`` adds rows after N steps of LoRA + distillation.
 
-    python benchmarks/state_reduction.py --model PATH          # a checkpoint with Gated DeltaNet layers
+    python benchmarks/state_reduction.py --model PATH --recipe recipes/state_reduction_benchmark.json
     python benchmarks/state_reduction.py --model tiny          # a random tiny Qwen3.5 (pipeline check only)
     python benchmarks/state_reduction.py --report-only         # re-render the table from the JSON
 
@@ -72,6 +72,17 @@ def prefill_tokens_per_s(mixer, hidden: int, length: int = 512, repeats: int = 3
     return length / best
 
 
+def decode_tokens_per_s(model, new_tokens: int = 32, prompt: int = 32) -> float:
+    """Whole-model greedy decoding speed (cache on), best of two runs."""
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    best = float("inf")
+    for _ in range(2):
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        best = min(best, time.perf_counter() - t)
+    return new_tokens / best
+
+
 def run(args) -> dict:
     from hf_tensorcomp import TensorCompressionConfig
     from hf_tensorcomp.methods.state_reduction import find_mixers
@@ -103,8 +114,11 @@ def run(args) -> dict:
                 if keep not in speed:
                     dense_tps = prefill_tokens_per_s(first, base.config.get_text_config().hidden_size)
                     tps = prefill_tokens_per_s(pruned, base.config.get_text_config().hidden_size)
+                    dense_dec, dec = decode_tokens_per_s(base), decode_tokens_per_s(model)
                     speed[keep] = {"keep": keep, "head_k_dim": pruned.head_k_dim, "dense_prefill_tok_s": round(dense_tps),
                                    "pruned_prefill_tok_s": round(tps), "prefill_speedup": round(tps / dense_tps, 3),
+                                   "dense_decode_tok_s": round(dense_dec, 1), "pruned_decode_tok_s": round(dec, 1),
+                                   "decode_speedup": round(dec / dense_dec, 3),
                                    "state_ratio": round(row["state_bytes"] / rows[0]["state_bytes"], 3)}
                 rows.append(row)
                 print(row, flush=True)
@@ -131,9 +145,11 @@ def report(res: dict) -> str:
             r = next((r for r in res["rows"] if r["scorer"] == s and r["keep"] == k), None)
             cells.append("" if r is None else str(r["ppl"]))
         table.append([s] + cells)
-    speed = [["keep", "key head dim", "mixer prefill tok/s (dense)", "pruned", "speed-up", "state bytes ratio"]]
-    speed += [[str(s["keep"]), str(s["head_k_dim"]), str(s["dense_prefill_tok_s"]), str(s["pruned_prefill_tok_s"]),
-               str(s["prefill_speedup"]), str(s["state_ratio"])] for s in res["mixer_speed"]]
+    speed = [["keep", "key head dim", "mixer prefill tok/s (dense)", "pruned", "speed-up", "model decode tok/s (dense)",
+              "pruned", "speed-up", "state bytes ratio"]]
+    speed += [[str(s[k]) for k in ("keep", "head_k_dim", "dense_prefill_tok_s", "pruned_prefill_tok_s", "prefill_speedup",
+                                   "dense_decode_tok_s", "pruned_decode_tok_s", "decode_speedup", "state_ratio")]
+              for s in res["mixer_speed"]]
     head = (f"# State reduction (`benchmarks/state_reduction.py`)\n\nModel: `{res['model']}`; perplexity on "
             f"{res['eval_tokens']} tokens of the Wikipedia eval split; calibration {res['calibration_samples']} x "
             f"{res['calibration_length']} tokens of the calib split; {res['threads']} thread(s).\n\n")
@@ -152,7 +168,18 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=NAME, help="results file stem under benchmarks/results")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--recipe", help="a JSON file of these options (dashes as underscores); the command line names the model")
     args = p.parse_args()
+    if args.recipe:
+        import json
+
+        recipe = json.loads(Path(args.recipe).read_text())
+        recipe.pop("description", None)
+        unknown = sorted(set(recipe) - set(vars(args)))
+        if unknown:
+            raise SystemExit(f"{args.recipe}: unknown keys {unknown}; allowed: {sorted(vars(args))}")
+        for k, v in recipe.items():
+            setattr(args, k, v)
     json_path = RESULTS / f"{args.out}.json"
     if args.report_only:
         import json

@@ -1,7 +1,7 @@
 """State reduction: prune key / query channels of Gated DeltaNet layers (a smaller recurrent state).
 
 "The Key to State Reduction in Linear Attention: A Rank-based Perspective". Every
-linear-attention mixer keeps ``round(keep * head_k_dim)`` key channels per head; one index set per
+linear-attention mixer keeps ``keep * head_k_dim`` key channels per head (rounded half up); one index set per
 head is shared by queries and keys (the mixer is invariant only under a joint transformation,
 Prop. 3.1) and is applied to the q / k projection rows and the q / k channels of the short
 convolution (axis-aligned selections commute with a depthwise convolution, Prop. 3.3). Values,
@@ -239,7 +239,7 @@ class StateReduction(Method):
 
     @staticmethod
     def kept(entry, head_k_dim: int) -> int:
-        return round(entry.options["keep"] * head_k_dim)
+        return int(entry.options["keep"] * head_k_dim + 0.5)  # rounded half up
 
     def check_unit(self, modules, entry, ctx):
         if entry.layers is not None:
