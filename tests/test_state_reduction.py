@@ -18,7 +18,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next
 from hf_tensorcomp import TensorCompressionConfig
 from hf_tensorcomp.decompositions.key_selection import pca_projections
 from hf_tensorcomp.decompositions.rrqr import strong_rrqr
-from hf_tensorcomp.methods.state_reduction import find_mixers, qk_activations, qk_rows
+from hf_tensorcomp.methods.state_reduction import conv_channels, find_mixers, qk_activations, qk_rows
 from tiny import VOCAB
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -101,6 +101,18 @@ def test_fused_projection_and_conv_sliced_with_one_index_set(dirs, ids, arch, mo
         torch.testing.assert_close(q1[:, :, h], q0[:, :, h, s])  # (a smaller GEMM may round differently)
         torch.testing.assert_close(k1[:, :, h], k0[:, :, h, s])
     torch.testing.assert_close(v1, v0)
+    # end to end: the pruned model is the original whose delta rule sees only the kept q / k channels
+    # (so the query scale and the L2 norms follow the kept channels)
+    expected = logits(out, ids)
+    real = MODELING[arch].torch_chunk_gated_delta_rule
+    index = torch.tensor(kept)[None, None]  # (1, 1, heads, k)
+
+    def sliced(query, key, value, **kw):
+        take = index.expand(*query.shape[:2], -1, -1)
+        return real(query.gather(-1, take), key.gather(-1, take), value, **kw)
+    monkeypatch.setattr(MODELING[arch], "torch_chunk_gated_delta_rule", sliced)
+    torch.testing.assert_close(logits(ref, ids), expected)
+    monkeypatch.setattr(MODELING[arch], "torch_chunk_gated_delta_rule", real)
     layer = ref.model.layers[0]
     mixer = layer.linear_attn
     with torch.no_grad():
@@ -140,6 +152,39 @@ def _zero_channels(model, dead):
         for m in find_mixers(model).values():
             for attr, rows in qk_rows(m):
                 getattr(m, attr).weight[rows[:, dead].reshape(-1)] = 0
+
+
+def test_duplicated_channels_drrqr_keeps_one_of_each_pair(tmp_path):
+    """A low-rank key space: channels 4..7 of every head copy channels 0..3 (q/k rows and conv filters),
+    so [Q; K] has rank 4 and the only well-conditioned choice takes one channel of each pair."""
+    model = tiny("qwen3_5")
+    with torch.no_grad():
+        for m in find_mixers(model).values():
+            for attr, rows in qk_rows(m):
+                w = getattr(m, attr).weight
+                w[rows[:, 4:].reshape(-1)] = w[rows[:, :4].reshape(-1)]
+            for ch in conv_channels(m):
+                m.conv1d.weight[ch[:, 4:].reshape(-1)] = m.conv1d.weight[ch[:, :4].reshape(-1)]
+    model.save_pretrained(tmp_path)
+    kept = load(tmp_path, scorer="drrqr", keep=0.5).tensorcomp_stats["modules"]["model.layers.0.linear_attn"]["kept"]
+    assert all(sorted(i % 4 for i in s) == [0, 1, 2, 3] for s in kept)
+
+
+def test_pca_finds_a_rotated_low_rank_key_space(tmp_path):
+    """q and k rows of every head in one random 4-dimensional subspace: PCA's P spans it, so P W = W."""
+    model = tiny("qwen3_next")
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in find_mixers(model).values():
+            (qa, qr), (ka, kr) = qk_rows(m)
+            w = getattr(m, qa).weight
+            for h in range(m.num_k_heads):
+                basis = torch.randn(8, 4, generator=g)
+                for rows in (qr[h], kr[h]):
+                    w[rows] = basis @ torch.randn(4, w.shape[1], generator=g)
+    model.save_pretrained(tmp_path)
+    st = load(tmp_path, scorer="pca", keep=0.5).tensorcomp_stats["modules"]["model.layers.0.linear_attn"]
+    assert st["rel_error"] < 1e-5
 
 
 @pytest.mark.parametrize("scorer", ["drrqr", "pca"])
