@@ -10,6 +10,7 @@ the PyTorch path keeps them). ``--recover-steps N`` adds rows after N steps of L
     python benchmarks/state_reduction.py --model PATH --recipe recipes/state_reduction_benchmark.json
     python benchmarks/state_reduction.py --model tiny          # a random tiny Qwen3.5 (pipeline check only)
     python benchmarks/state_reduction.py --report-only         # re-render the table from the JSON
+    python benchmarks/state_reduction.py --mixer               # one random 576-wide mixer: speed and state vs key dim
 
 The paper's claim to test (Gated DeltaNet 1.3B at 50 % key dim, before recovery: base 16.8, DRRQR
 17.3, Grad 17.4, Rand 18.8, L1 26.5): DRRQR and Grad stay near the base, L1 is the worst.
@@ -128,6 +129,73 @@ def run(args) -> dict:
             "mixer_speed": list(speed.values())}
 
 
+def _cache_bytes(cache) -> int:
+    """Bytes of every tensor the cache layer holds (its conv and recurrent states sit in dicts)."""
+    items = []
+    for v in vars(cache.layers[0]).values():
+        items += list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else [v]
+    return sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
+
+
+def mixer_speed(hidden: int = 576, heads: int = 9, head_dim: int = 64, keeps=(1.0, 0.75, 0.5, 0.25), length: int = 512,
+                steps: int = 32, rounds: int = 15) -> dict:
+    """One random Qwen3.5 Gated DeltaNet mixer (SmolLM2's width, 9 heads of 64) and copies of it pruned to each
+    keep (first channels of each head: speed does not depend on which): prefill tokens/s on `length` tokens,
+    decode-step latency after that prefill (cache on), the cache's state bytes per sequence. Rounds alternate
+    between the variants, so load on a shared machine hits all alike; best of `rounds`."""
+    from transformers import DynamicCache, Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from hf_tensorcomp.methods.state_reduction import prune
+
+    cfg = Qwen3_5TextConfig(hidden_size=hidden, linear_num_key_heads=heads, linear_num_value_heads=heads,
+                            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, num_hidden_layers=1,
+                            layer_types=["linear_attention"], vocab_size=16, num_attention_heads=heads,
+                            num_key_value_heads=heads, head_dim=head_dim)
+    torch.manual_seed(0)
+    dense = Qwen3_5GatedDeltaNet(cfg, 0).eval()
+    variants = {}
+    for keep in keeps:
+        m = copy.deepcopy(dense)
+        k = int(keep * head_dim + 0.5)
+        if k < head_dim:
+            prune(m, [torch.arange(k)] * heads)
+        variants[keep] = m
+    x = torch.randn(1, length, hidden)
+    tok = torch.randn(1, 1, hidden)
+    best = {keep: [float("inf"), float("inf"), 0] for keep in keeps}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for keep, m in variants.items():
+                t = time.perf_counter()
+                cache = DynamicCache(config=cfg)
+                m(hidden_states=x, cache_params=cache)
+                best[keep][0] = min(best[keep][0], time.perf_counter() - t)
+                t = time.perf_counter()
+                for _ in range(steps):
+                    m(hidden_states=tok, cache_params=cache)
+                best[keep][1] = min(best[keep][1], (time.perf_counter() - t) / steps)
+                best[keep][2] = _cache_bytes(cache)
+    d = best[keeps[0]]
+    rows = [{"keep": keep, "head_k_dim": variants[keep].head_k_dim, "prefill_tok_s": round(length / b[0]),
+             "prefill_speedup": round(d[0] / b[0], 3), "decode_step_ms": round(b[1] * 1e3, 3),
+             "decode_speedup": round(d[1] / b[1], 3), "state_bytes": b[2], "state_ratio": round(b[2] / d[2], 3)}
+            for keep, b in best.items()]
+    return {"hidden": hidden, "heads": heads, "head_dim": head_dim, "length": length, "decode_steps": steps,
+            "rounds": rounds, "threads": torch.get_num_threads(), "rows": rows}
+
+
+def mixer_report(res: dict) -> str:
+    cols = ["keep", "head_k_dim", "prefill_tok_s", "prefill_speedup", "decode_step_ms", "decode_speedup", "state_bytes",
+            "state_ratio"]
+    head = (f"# State reduction: one Gated DeltaNet mixer on CPU (`benchmarks/state_reduction.py --mixer`)\n\n"
+            f"Random Qwen3.5 mixer, hidden {res['hidden']}, {res['heads']} key/value heads of {res['head_dim']}; prefill "
+            f"of {res['length']} tokens, then {res['decode_steps']} single-token decode steps with the cache; best of "
+            f"{res['rounds']} alternating rounds, {res['threads']} thread(s); transformers' PyTorch path "
+            "(no flash-linear-attention). State bytes: the cache's conv + recurrent state per sequence.\n\n")
+    return head + markdown_table([cols] + [[str(r[c]) for c in cols] for r in res["rows"]]) + "\n"
+
+
 def markdown_table(rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows[1:]])
@@ -168,6 +236,7 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=NAME, help="results file stem under benchmarks/results")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--mixer", action="store_true", help="only the one-mixer speed / state measurement")
     p.add_argument("--recipe", help="a JSON file of these options (dashes as underscores); the command line names the model")
     args = p.parse_args()
     if args.recipe:
@@ -180,6 +249,14 @@ def main():
             raise SystemExit(f"{args.recipe}: unknown keys {unknown}; allowed: {sorted(vars(args))}")
         for k, v in recipe.items():
             setattr(args, k, v)
+    if args.mixer:
+        torch.set_num_threads(args.threads)
+        res = mixer_speed()
+        write_json(f"{NAME}_mixer.json", res)
+        md = mixer_report(res)
+        (RESULTS / f"{NAME}_mixer.md").write_text(md)
+        print(md)
+        return
     json_path = RESULTS / f"{args.out}.json"
     if args.report_only:
         import json
