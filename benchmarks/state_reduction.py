@@ -218,7 +218,8 @@ def report(res: dict) -> str:
     speed += [[str(s[k]) for k in ("keep", "head_k_dim", "dense_prefill_tok_s", "pruned_prefill_tok_s", "prefill_speedup",
                                    "dense_decode_tok_s", "pruned_decode_tok_s", "decode_speedup", "state_ratio")]
               for s in res["mixer_speed"]]
-    head = (f"# State reduction (`benchmarks/state_reduction.py`)\n\nModel: `{res['model']}`; perplexity on "
+    model = res.get("model_note", f"`{res['model']}`")
+    head = (f"# State reduction (`benchmarks/state_reduction.py`)\n\nModel: {model}; perplexity on "
             f"{res['eval_tokens']} tokens of the Wikipedia eval split; calibration {res['calibration_samples']} x "
             f"{res['calibration_length']} tokens of the calib split; {res['threads']} thread(s).\n\n")
     return head + markdown_table(table) + "\n\n" + markdown_table(speed) + "\n"
@@ -235,6 +236,7 @@ def main():
     p.add_argument("--recover-steps", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=NAME, help="results file stem under benchmarks/results")
+    p.add_argument("--model-note", help="how the model was made (written into the results instead of its path)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--mixer", action="store_true", help="only the one-mixer speed / state measurement")
     p.add_argument("--recipe", help="a JSON file of these options (dashes as underscores); the command line names the model")
@@ -264,6 +266,8 @@ def main():
         res = json.loads(json_path.read_text())
     else:
         res = run(args)
+        if args.model_note:
+            res["model_note"] = args.model_note
         write_json(f"{args.out}.json", res)
     md = report(res)
     (RESULTS / f"{args.out}.md").write_text(md)

@@ -205,10 +205,11 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
             return li in by_last
 
         runner.run(wanted, on_layer, last=max(by_last), propagate=config.propagate, progress=config.progress)
+    finished = {}
     for k, entry in enumerate(config.entries):  # a method's whole-model step after its units (e.g. recovery)
         done = methods[k].finish(model, entry, ctx, runner)
         if done:
-            module_stats[f"entry {k}: {entry.method}"] = done
+            finished[str(k)] = done
     config.compressed_modules = factored_specs(model)
     params_after = sum(p.numel() for p in model.parameters())
     config.stats = {
@@ -217,6 +218,8 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         "compress_seconds": round(time.perf_counter() - t0, 3),
         "modules": module_stats,
     }
+    if finished:
+        config.stats["finish"] = finished  # {entry index: what its method's whole-model step reports}
     if runner is not None:
         config.stats["calibration"] = {"samples": sum(h.shape[0] for h in runner.hidden),
                                        "tokens": runner.n_tokens, "propagate": config.propagate,

@@ -126,6 +126,10 @@ def test_fused_projection_and_conv_sliced_with_one_index_set(dirs, ids, arch, mo
 def test_saved_model_reloads_with_plain_transformers_and_generates(dirs, ids, tmp_path):
     out = load(dirs["qwen3_next"], scorer="drrqr", keep=0.5)
     out.save_pretrained(tmp_path)
+    from hf_tensorcomp import write_model_card
+
+    card = (tmp_path / "README.md").read_text() if write_model_card(out, tmp_path) else ""
+    assert "plain transformers loads it" in card and "| 0 | state_reduction |" in card
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["linear_key_head_dim"] == 4 and "quantization_config" not in saved
     torch.save(logits(out, ids), tmp_path / "expected.pt")
@@ -224,7 +228,7 @@ def test_strong_rrqr_on_a_low_rank_key_space():
 
 def test_recovery_lora_distillation_is_merged(dirs):
     out = load(dirs["qwen3_5"], scorer="l1", keep=0.5, recover_steps=6, recover_lr=1e-2, lora_rank=4)
-    rec = out.tensorcomp_stats["modules"]["entry 0: state_reduction"]["recovery"]
+    rec = out.tensorcomp_stats["finish"]["0"]["recovery"]
     assert rec["steps"] == 6 and rec["kl_last"] < rec["kl_first"]
     assert not [n for n in out.state_dict() if "lora" in n]
     assert type(out.model.layers[0].linear_attn.in_proj_qkv) is torch.nn.Linear

@@ -68,8 +68,9 @@ class TensorCompQuantizer(HfQuantizer):
             if not cfg.compressed_modules and all(get_method(e.method).structural for e in cfg.entries):
                 # only structural methods ran (e.g. state reduction): the model is an ordinary, smaller
                 # transformers model of its own class and config; drop the quantizer so it saves and
-                # reloads with plain transformers. What was done stays in `cfg.stats` (the caller's config).
-                model.tensorcomp_stats = cfg.stats
+                # reloads with plain transformers. The record stays on the model object (`tensorcomp_config`,
+                # `tensorcomp_stats`) for this session's model card / report.
+                model.tensorcomp_config, model.tensorcomp_stats = cfg, cfg.stats  # kept in memory, not saved
                 self.remove_quantization_config(model)
         return model
 
