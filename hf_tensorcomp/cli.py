@@ -23,7 +23,7 @@ from pathlib import Path
 
 BUNDLED = ("smollm2", "gemma3")
 #: the registered method names, listed here so the parser needs no torch (a test checks they agree)
-METHODS = ("einsort", "laser", "rotor", "tensorllm", "trawl")
+METHODS = ("einsort", "laser", "rotor", "state_reduction", "tensorllm", "trawl")
 TEXT_SOURCES = ("wikipedia", "owt")
 
 
@@ -132,7 +132,9 @@ def cmd_compress(args) -> int:
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype, quantization_config=cfg)
     report["load_and_compress_s"] = round(time.perf_counter() - t0, 2)
-    st = model.config.quantization_config.stats
+    from .integration.hub import compression_config
+
+    st = compression_config(model).stats
     report.update(params_before=st["params_before"], params_after=st["params_after"], compress_s=st["compress_seconds"])
     results = {}
     if not args.no_eval:

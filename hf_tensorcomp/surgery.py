@@ -74,7 +74,7 @@ def plan(model: nn.Module, config: TensorCompressionConfig, check_units: bool = 
         for li in resolve_layers(entry.layers, len(layer_list)):
             for name, mod in layer_list[li].named_modules():
                 hits = [t for t in entry.targets if name and fnmatch.fnmatchcase(name, t)]
-                if not hits or not isinstance(mod, method.target_types):
+                if not hits or not method.is_target(mod):
                     continue
                 for t in hits:
                     matched_any[t] = True
@@ -87,6 +87,8 @@ def plan(model: nn.Module, config: TensorCompressionConfig, check_units: bool = 
                 claimed[full] = k
                 per_layer.setdefault(li, []).append(f"{li}.{name}")
         missing = [t for t, hit in matched_any.items() if not hit]
+        if missing and method.no_target_error is not None and not any(matched_any.values()):
+            raise ValueError(method.no_target_error)
         if missing:
             sample = sorted({n for n, m in layer_list[0].named_modules() if n and isinstance(m, method.target_types)})
             raise ValueError(
@@ -156,6 +158,11 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         from .calibration.sensitivity import output_fisher
 
         runner.fisher = output_fisher(model, layer_list, sensitive, runner.ids)
+    graded = [n for k, names in work for n in names if "weight_grad" in needs[k]]
+    if graded:  # the loss gradient of the dense model's weights, before anything changes
+        from .calibration.sensitivity import weight_gradients
+
+        runner.weight_grad = weight_gradients(model, layer_list, graded, runner.ids)
     allocation = _allocate(config, work, methods, allocating, layer_list, runner)
     module_stats = {}
 
@@ -169,7 +176,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
             result = method.compress(mods, entry, unit_ctx)
         checks.check_outputs(result, mods, prefix, entry, method.remedy)
         for name, (new, st) in result.items():
-            if entry.mode == "dense":
+            if entry.mode == "dense" and isinstance(new, FactorizedModule):
                 new = new.to_dense()  # None for containers of shared factors: nothing to add
                 if new is None:
                     continue
@@ -193,6 +200,11 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
             return li in by_last
 
         runner.run(wanted, on_layer, last=max(by_last), propagate=config.propagate, progress=config.progress)
+    finished = {}
+    for k, entry in enumerate(config.entries):  # a method's whole-model step after its units (e.g. recovery)
+        done = methods[k].finish(model, entry, ctx, runner)
+        if done:
+            finished[str(k)] = done
     config.compressed_modules = factored_specs(model)
     params_after = sum(p.numel() for p in model.parameters())
     config.stats = {
@@ -201,6 +213,8 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
         "compress_seconds": round(time.perf_counter() - t0, 3),
         "modules": module_stats,
     }
+    if finished:
+        config.stats["finish"] = finished  # {entry index: what its method's whole-model step reports}
     if runner is not None:
         config.stats["calibration"] = {"samples": sum(h.shape[0] for h in runner.hidden),
                                        "tokens": runner.n_tokens, "propagate": config.propagate,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .stats import InputCapture, ModuleStats, StatsHooks
+from .stats import PASS_KINDS, InputCapture, ModuleStats, StatsHooks
 
 
 class _Stop(Exception):
@@ -39,6 +39,8 @@ class LayerwiseRunner:
         #: {module name: per-output-channel Fisher} from `sensitivity.output_fisher`, attached to every
         #: statistic of that module the runner hands out (computed once, on the dense model)
         self.fisher: dict[str, torch.Tensor] = {}
+        #: {module name: the loss gradient of its weight} from `sensitivity.weight_gradients`, likewise
+        self.weight_grad: dict[str, torch.Tensor] = {}
         base = model.get_submodule(prefix.rpartition(".")[0])  # the decoder stack: embeddings, layers, norm
         device = next(model.parameters()).device
         self.hidden: list[torch.Tensor] = []
@@ -96,7 +98,7 @@ class LayerwiseRunner:
         paired = propagate and any("cross" in k for w in wanted.values() for k in w.values())
         dense = list(self.hidden) if paired else None
         for li in tqdm(range(last + 1), desc=desc, disable=not progress, unit="layer"):
-            want = {n: k - {"fisher"} for n, k in wanted.get(li, {}).items()}
+            want = {n: k - PASS_KINDS for n, k in wanted.get(li, {}).items()}
             dense_inputs = None
             if paired:
                 cap = InputCapture(self.layers[li], [n for n, k in want.items() if "cross" in k], f"{li}.")
@@ -112,6 +114,7 @@ class LayerwiseRunner:
             for n, st in stats.items():
                 st.kinds = wanted[li][n]
                 st.fisher = self.fisher.get(n)
+                st.weight_grad = self.weight_grad.get(n)
             changed = on_layer(li, stats)
             del stats
             if changed and propagate and li < last:

@@ -54,3 +54,37 @@ def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str],
             p.requires_grad_(flag)
         model.train(was_training)
     return {n: acc[n] / max(count[n], 1) for n in names}
+
+
+def weight_gradients(model: nn.Module, layer_list: nn.ModuleList, names: list[str], ids: torch.Tensor,
+                     batch_size: int = 2) -> dict[str, dict[str, torch.Tensor]]:
+    """``{name: {parameter name: dL/dW}}`` for the direct and nested parameters of modules named
+    relative to the decoder-layer list: the language-modelling loss (mean over the tokens of each
+    sequence) summed over the calibration sequences, one backward pass of the dense model. Only
+    these parameters get gradients; every ``requires_grad`` flag is restored afterwards."""
+    params = {n: dict(layer_list.get_submodule(n).named_parameters()) for n in names}
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    was_training = model.training
+    device = next(model.parameters()).device
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+            p.grad = None
+        for ps in params.values():
+            for p in ps.values():
+                p.requires_grad_(True)
+        model.eval()
+        with torch.enable_grad():
+            for batch in ids.split(batch_size):
+                batch = batch.to(device)
+                out = model(input_ids=batch, labels=batch, use_cache=False)
+                (out.loss * batch.shape[0]).backward()
+        return {n: {k: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for k, p in ps.items()}
+                for n, ps in params.items()}
+    finally:
+        for ps in params.values():
+            for p in ps.values():
+                p.grad = None
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.train(was_training)

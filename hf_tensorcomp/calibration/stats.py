@@ -13,7 +13,15 @@ A method declares the *kinds* it needs (`Method.needs`); only those are gathered
 - ``"attention"``: the calls of the module's *parent* (the attention block of a q/k/v projection):
   per calibration batch, its positional and keyword arguments (hidden states, position embeddings,
   mask) and its output, so a method can re-run the block with replaced projections and fit what
-  follows them to the block's original output (rotor's ``retrain_o``). Siblings share one list.
+  follows them to the block's original output (rotor's ``retrain_o``). Siblings share one list;
+- ``"sequences"``: the module's input hidden states with their (batch, sequence, features) shape
+  kept (float32), for a method that re-runs a sequence operation (state reduction's short conv);
+- ``"weight_grad"``: the gradient of the language-modelling loss summed over the calibration text
+  for each of the module's parameters (`sensitivity.weight_gradients`, one backward pass of the
+  dense model before anything changes; state reduction's Grad scorer).
+
+A module may be called with its input as a keyword (``hidden_states=``, e.g. the Gated DeltaNet
+mixers); the hooks read it from there.
 
 Modules that read the same tensor (q/k/v, gate/up) share one Gram product per batch.
 """
@@ -22,7 +30,9 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross", "attention")
+KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross", "attention", "sequences", "weight_grad")
+#: kinds filled by a pass of their own rather than by the per-layer hooks
+PASS_KINDS = frozenset({"fisher", "weight_grad"})
 
 
 class ModuleStats:
@@ -37,6 +47,8 @@ class ModuleStats:
         self._abs_sum: torch.Tensor | None = None
         self._inputs: list[torch.Tensor] = []
         self.fisher: torch.Tensor | None = None  # per output channel, set by the pipeline
+        self.weight_grad: dict[str, torch.Tensor] | None = None  # {parameter name: dL/dW}, set by the pipeline
+        self._sequences: list[torch.Tensor] = []
         #: ``"attention"``: [(args, kwargs, output), ...] of the parent block's calls, one per batch
         self.attention: list[tuple[tuple, dict, torch.Tensor]] = []
 
@@ -55,6 +67,14 @@ class ModuleStats:
             self._abs_sum = s if self._abs_sum is None else self._abs_sum.add_(s)
         if "inputs" in self.kinds:
             self._inputs.append(x.detach().cpu().clone())
+
+    def add_sequences(self, x: torch.Tensor) -> None:
+        self._sequences.append(x.detach().float().cpu().clone())
+
+    @property
+    def sequences(self) -> list[torch.Tensor]:
+        """The inputs, one (batch, sequence, features) tensor per calibration batch."""
+        return self._sequences
 
     @property
     def abs_mean(self) -> torch.Tensor:
@@ -77,7 +97,8 @@ class StatsHooks:
         self._batch = {name: 0 for name in wanted}
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, its gram): shared by siblings
         self._handles = [
-            layer.get_submodule(name[len(layer_prefix):]).register_forward_hook(self._hook(name)) for name in wanted
+            layer.get_submodule(name[len(layer_prefix):]).register_forward_hook(self._hook(name), with_kwargs=True)
+            for name in wanted
         ]
         calls_of: dict[str, list] = {}  # parent block -> its recorded calls, shared by its children's stats
         for name, st in self.stats.items():
@@ -92,8 +113,10 @@ class StatsHooks:
     def _hook(self, name):
         st = self.stats[name]
 
-        def hook(module, args, output):
-            x = args[0]
+        def hook(module, args, kwargs, output):
+            x = args[0] if args else kwargs["hidden_states"]
+            if "sequences" in st.kinds:
+                st.add_sequences(x)
             x2 = x.detach().reshape(-1, x.shape[-1]).float()
             gram = None
             if "gram" in st.kinds:

@@ -24,8 +24,19 @@ DENSE_NOTE = (
 )
 
 
+STRUCTURAL_NOTE = (
+    "An ordinary transformers checkpoint: the compression changed the architecture itself (e.g. a smaller "
+    "`linear_key_head_dim` from state reduction), so plain transformers loads it, without `hf_tensorcomp`; "
+    "the record below is kept in this card only."
+)
+
+
 def compression_config(model) -> TensorCompressionConfig:
+    """The model's compression record: its quantization config, or (after a structural method, whose
+    quantizer removed itself) the one kept on the model object for this session."""
     cfg = getattr(model.config, "quantization_config", None)
+    if cfg is None:
+        cfg = getattr(model, "tensorcomp_config", None)
     if not isinstance(cfg, TensorCompressionConfig):
         raise ValueError("model: not compressed by hf_tensorcomp (model.config.quantization_config is not a TensorCompressionConfig)")
     return cfg
@@ -52,13 +63,14 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
     """
     cfg = compression_config(model)
     st = cfg.stats
+    structural = getattr(model.config, "quantization_config", None) is None
     lines = ["---", "library_name: transformers", "tags:", "- hf_tensorcomp"]
     lines += [f"- tensorcomp-{e.method}" for e in cfg.entries]
     if base_model:
         lines += [f"base_model: {base_model}"]
     lines += ["---", "", f"# {type(model).__name__} compressed with hf_tensorcomp", "",
-              INSTALL_NOTE if cfg.compressed_modules else DENSE_NOTE, "",
-              "```python", "import hf_tensorcomp  # registers the `tensorcomp` quantizer",
+              INSTALL_NOTE if cfg.compressed_modules else STRUCTURAL_NOTE if structural else DENSE_NOTE, "",
+              "```python", *([] if structural else ["import hf_tensorcomp  # registers the `tensorcomp` quantizer"]),
               "from transformers import AutoModelForCausalLM",
               f'model = AutoModelForCausalLM.from_pretrained("{repo_id or "<repo id or folder>"}")', "```", "",
               "## Compression", "",

@@ -18,6 +18,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from .. import checks, surgery
 from .io import make_save_atomic
 from ..config import QUANT_METHOD, TensorCompressionConfig
+from ..methods import get_method
 
 register_quantization_config(QUANT_METHOD)(TensorCompressionConfig)
 
@@ -60,9 +61,17 @@ class TensorCompQuantizer(HfQuantizer):
         else:
             if _is_offloaded(getattr(model, "hf_device_map", None)):
                 self.validate_environment(device_map=model.hf_device_map)
-            surgery.compress_model(model, self.quantization_config, getattr(self, "_work", None))
-            model.add_model_tags(["hf_tensorcomp"] + [f"tensorcomp-{e.method}" for e in self.quantization_config.entries])
+            cfg = self.quantization_config
+            surgery.compress_model(model, cfg, getattr(self, "_work", None))
+            model.add_model_tags(["hf_tensorcomp"] + [f"tensorcomp-{e.method}" for e in cfg.entries])
             self.pre_quantized = True  # the model now holds factors: save as such
+            if not cfg.compressed_modules and all(get_method(e.method).structural for e in cfg.entries):
+                # only structural methods ran (e.g. state reduction): the model is an ordinary, smaller
+                # transformers model of its own class and config; drop the quantizer so it saves and
+                # reloads with plain transformers. The record stays on the model object (`tensorcomp_config`,
+                # `tensorcomp_stats`) for this session's model card / report.
+                model.tensorcomp_config, model.tensorcomp_stats = cfg, cfg.stats  # kept in memory, not saved
+                self.remove_quantization_config(model)
         return model
 
     def get_state_dict_and_metadata(self, model):

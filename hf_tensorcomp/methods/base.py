@@ -82,6 +82,21 @@ class Method:
     #: `FactorizedModule.layer_type`s this method puts in place of a target (not counting shared-factor containers)
     layer_types: tuple[str, ...] = ()
 
+    #: True when the method leaves ordinary transformers modules (a smaller config, no factored
+    #: module): a model compressed only by such methods is saved as a plain transformers checkpoint
+    structural: bool = False
+    #: the error `surgery.plan` raises when no module of the model is a target (None: the generic one)
+    no_target_error: str | None = None
+
+    def is_target(self, module: nn.Module) -> bool:
+        """Whether a module matched by `targets` is one this method compresses."""
+        return isinstance(module, self.target_types)
+
+    def finish(self, model: nn.Module, entry, ctx: "Context", runner) -> dict | None:
+        """A whole-model step after every unit is compressed (calibration `runner` or None); its
+        returned stats (if any) go into ``config.stats``."""
+        return None
+
     def validate_options(self, options: dict) -> dict:
         unknown = sorted(set(options) - set(self.option_defaults))
         if unknown:
