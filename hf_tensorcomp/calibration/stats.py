@@ -14,6 +14,8 @@ A method declares the *kinds* it needs (`Method.needs`); only those are gathered
   per calibration batch, its positional and keyword arguments (hidden states, position embeddings,
   mask) and its output, so a method can re-run the block with replaced projections and fit what
   follows them to the block's original output (rotor's ``retrain_o``). Siblings share one list.
+- ``"calls"``: the same record of the module's *own* calls (a whole attention block that a method
+  replaces and trains on its real inputs and outputs: ``linearize``); its input rows are not gathered.
 
 Modules that read the same tensor (q/k/v, gate/up) share one Gram product per batch.
 """
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross", "attention")
+KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross", "attention", "calls")
+#: the kinds read from a module's input rows (a hook on the module itself)
+ROW_KINDS = frozenset({"gram", "abs_mean", "inputs", "cross", "attention"})
 
 
 class ModuleStats:
@@ -39,6 +43,8 @@ class ModuleStats:
         self.fisher: torch.Tensor | None = None  # per output channel, set by the pipeline
         #: ``"attention"``: [(args, kwargs, output), ...] of the parent block's calls, one per batch
         self.attention: list[tuple[tuple, dict, torch.Tensor]] = []
+        #: ``"calls"``: the same for the module's own calls
+        self.calls: list[tuple[tuple, dict, torch.Tensor]] = []
 
     def add(self, x: torch.Tensor, gram: torch.Tensor | None = None, dense_x: torch.Tensor | None = None) -> None:
         """x: (tokens, in) float32 rows; gram: its XᵀX if already computed for a sibling module;
@@ -77,8 +83,13 @@ class StatsHooks:
         self._batch = {name: 0 for name in wanted}
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, its gram): shared by siblings
         self._handles = [
-            layer.get_submodule(name[len(layer_prefix):]).register_forward_hook(self._hook(name)) for name in wanted
+            layer.get_submodule(name[len(layer_prefix):]).register_forward_hook(self._hook(name))
+            for name, kinds in wanted.items() if kinds & ROW_KINDS or not kinds
         ]
+        for name, st in self.stats.items():
+            if "calls" in st.kinds:
+                self._handles.append(layer.get_submodule(name[len(layer_prefix):]).register_forward_hook(
+                    _recorder(st.calls), with_kwargs=True))
         calls_of: dict[str, list] = {}  # parent block -> its recorded calls, shared by its children's stats
         for name, st in self.stats.items():
             if "attention" in st.kinds:

@@ -1,6 +1,6 @@
 """Compression methods. Each one is a `Method` subclass in its own file, registered by name."""
 
 from .base import METHODS, Method, get_method, register_method
-from . import einsort, laser, rotor, tensorllm, trawl  # noqa: F401  (register "einsort", "laser", "rotor", "tensorllm", "trawl")
+from . import einsort, laser, linearize, rotor, tensorllm, trawl  # noqa: F401  (register each by its name)
 
 __all__ = ["METHODS", "Method", "get_method", "register_method"]
