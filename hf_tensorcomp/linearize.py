@@ -36,6 +36,7 @@ DEFAULTS = {"every": 3, "layers": None, "calibration": "wikipedia", "samples": 1
             "eval_tokens": 8192}
 
 
+@torch.enable_grad()
 def distill_logits(student, teacher, ids: torch.Tensor, steps: int, lr: float = 1e-4, batch_size: int = 4,
                    seed: int = 0, warmup: float = 0.1, progress: bool = True) -> list[float]:
     """Train the student's Gated DeltaNet layers (only those) to match the teacher's next-token distributions.

@@ -123,3 +123,35 @@ def test_plain_transformers_would_stop(hybrid):
     assert shapes["model.layers.1.self_attn.q_proj.weight"] == (1,)
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (48, 48)
     assert shapes["model.layers.1.self_attn.gdn.in_proj_qkv.weight"] == (144, 48)
+
+
+@torch.no_grad()
+def test_key_channels_sliced_in_place_save_and_reload(hybrid, tmp_path, ids):
+    """The contract with a key-channel pruning method: slice gdn.in_proj_qkv / gdn.conv1d rows in place, update
+    head_k_dim / key_dim / conv_dim, save: the spec follows the live module and the smaller model reloads."""
+    _, out = hybrid
+    model = AutoModelForCausalLM.from_pretrained(out)
+    g = model.model.layers[1].self_attn.gdn
+    nk, dk = g.num_k_heads, g.head_k_dim
+    keep = torch.cat([torch.arange(h * dk, h * dk + dk // 2) for h in range(nk)])  # per head, the same count
+    rows = torch.cat([keep, g.key_dim + keep, 2 * g.key_dim + torch.arange(g.value_dim)])  # [q | k | v]
+    g.in_proj_qkv.weight = torch.nn.Parameter(g.in_proj_qkv.weight[rows].clone())
+    g.conv1d.weight = torch.nn.Parameter(g.conv1d.weight[rows].clone())
+    g.head_k_dim, g.key_dim = dk // 2, nk * dk // 2
+    g.conv_dim = g.in_proj_qkv.out_features = 2 * g.key_dim + g.value_dim
+    ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.config.quantization_config.compressed_modules["model.layers.1.self_attn"]["head_k_dim"] == dk // 2
+    assert again.model.layers[1].self_attn.gdn.in_proj_qkv.weight.shape == (2 * 24 + 48, 48)
+    assert torch.equal(again(ids).logits, ref)
+
+
+@torch.no_grad()
+def test_generate_with_first_layer_linear(tiny_dirs, ids):
+    """The cache's length is read from layer 0: it must stay right when layer 0 is the Gated DeltaNet one."""
+    cfg = TensorCompressionConfig(method="linearize", layers=[0, 2], calibration=_calibration(), epochs=4, progress=False)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg).eval()
+    cached = m.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    plain = m.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, use_cache=False)
+    assert torch.equal(cached, plain)

@@ -152,6 +152,7 @@ class Linearize(Method):
         return calls
 
 
+@torch.enable_grad()  # from_pretrained may run under torch.no_grad()
 def train(module: GatedDeltaNetAttention, x: torch.Tensor, y: torch.Tensor, *, epochs: int, lr: float, batch_size: int,
           warmup: float, seed: int) -> list[float]:
     """Fit ``module(x)`` to ``y`` (both windows x tokens x hidden): MSE, Adam, seeded shuffle of the windows."""
