@@ -155,3 +155,18 @@ def test_generate_with_first_layer_linear(tiny_dirs, ids):
     cached = m.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     plain = m.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, use_cache=False)
     assert torch.equal(cached, plain)
+
+
+def test_cli_recipe_parses_and_refuses_a_full_folder(tmp_path, capsys):
+    from hf_tensorcomp.cli import build_parser, main
+    from hf_tensorcomp.linearize import DEFAULTS
+
+    (tmp_path / "x").write_text("")
+    assert main(["linearize", "--recipe", "recipes/linearize_smollm2.json", "--out", str(tmp_path)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    args = build_parser().parse_args(["linearize", "--out", "o"])
+    assert {k: getattr(args, k) for k in DEFAULTS} == DEFAULTS  # the CLI's defaults are the bundled recipe's
+    import json
+
+    recipe = json.loads(open("recipes/linearize_smollm2.json").read())
+    assert {k: v for k, v in recipe.items() if k in DEFAULTS} == {k: v for k, v in DEFAULTS.items() if k in recipe}
