@@ -1,5 +1,7 @@
 """Linearize: softmax attention layers -> Gated DeltaNet (transformers' Qwen3.5 mixer), distilled, saved, reloaded."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -162,11 +164,12 @@ def test_cli_recipe_parses_and_refuses_a_full_folder(tmp_path, capsys):
     from hf_tensorcomp.linearize import DEFAULTS
 
     (tmp_path / "x").write_text("")
-    assert main(["linearize", "--recipe", "recipes/linearize_smollm2.json", "--out", str(tmp_path)]) == 2
+    recipe_file = str(Path(__file__).parent.parent / "recipes" / "linearize_smollm2.json")
+    assert main(["linearize", "--recipe", recipe_file, "--out", str(tmp_path)]) == 2
     assert "not empty" in capsys.readouterr().err
     args = build_parser().parse_args(["linearize", "--out", "o"])
     assert {k: getattr(args, k) for k in DEFAULTS} == DEFAULTS  # the CLI's defaults are the bundled recipe's
     import json
 
-    recipe = json.loads(open("recipes/linearize_smollm2.json").read())
+    recipe = json.loads(Path(recipe_file).read_text())
     assert {k: v for k, v in recipe.items() if k in DEFAULTS} == {k: v for k, v in DEFAULTS.items() if k in recipe}
