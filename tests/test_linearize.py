@@ -173,3 +173,18 @@ def test_cli_recipe_parses_and_refuses_a_full_folder(tmp_path, capsys):
 
     recipe = json.loads(Path(recipe_file).read_text())
     assert {k: v for k, v in recipe.items() if k in DEFAULTS} == {k: v for k, v in DEFAULTS.items() if k in recipe}
+
+
+def test_missing_mixer_tensor_fails_before_loading(hybrid, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, out = hybrid
+    for f in out.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.gdn.A_log"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.gdn.A_log: missing from the checkpoint"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
