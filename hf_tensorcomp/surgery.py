@@ -323,7 +323,7 @@ def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: tor
         with torch.device("meta"):
             new = build_from_spec(spec, dtype=dt, root=model, name=name)
         for dim in ("in_features", "out_features"):
-            if old is not None and getattr(new, dim) != getattr(old, dim):
+            if old is not None and hasattr(old, dim) and getattr(new, dim) != getattr(old, dim):
                 raise ValueError(f"compressed_modules[{name!r}]: builds a module with {dim}={getattr(new, dim)}, the model's "
                                  f"has {getattr(old, dim)}; the checkpoint's config.json is corrupt or edited")
         _set_module(model, name, new)

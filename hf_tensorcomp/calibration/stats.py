@@ -14,6 +14,8 @@ A method declares the *kinds* it needs (`Method.needs`); only those are gathered
   per calibration batch, its positional and keyword arguments (hidden states, position embeddings,
   mask) and its output, so a method can re-run the block with replaced projections and fit what
   follows them to the block's original output (rotor's ``retrain_o``). Siblings share one list;
+- ``"calls"``: the same record of the module's *own* calls (a whole attention block that a method
+  replaces and trains on its real inputs and outputs: ``linearize``); its input rows are not gathered;
 - ``"sequences"``: the module's input hidden states with their (batch, sequence, features) shape
   kept (float32), for a method that re-runs a sequence operation (state reduction's short conv);
 - ``"weight_grad"``: the gradient of the language-modelling loss summed over the calibration text
@@ -30,9 +32,11 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross", "attention", "sequences", "weight_grad")
+KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross", "attention", "calls", "sequences", "weight_grad")
 #: kinds filled by a pass of their own rather than by the per-layer hooks
 PASS_KINDS = frozenset({"fisher", "weight_grad"})
+#: the kinds read from a module's input rows (a hook on the module itself)
+ROW_KINDS = frozenset({"gram", "abs_mean", "inputs", "cross", "attention", "sequences"})
 
 
 class ModuleStats:
@@ -51,6 +55,8 @@ class ModuleStats:
         self._sequences: list[torch.Tensor] = []
         #: ``"attention"``: [(args, kwargs, output), ...] of the parent block's calls, one per batch
         self.attention: list[tuple[tuple, dict, torch.Tensor]] = []
+        #: ``"calls"``: the same for the module's own calls
+        self.calls: list[tuple[tuple, dict, torch.Tensor]] = []
 
     def add(self, x: torch.Tensor, gram: torch.Tensor | None = None, dense_x: torch.Tensor | None = None) -> None:
         """x: (tokens, in) float32 rows; gram: its XᵀX if already computed for a sibling module;
@@ -98,8 +104,12 @@ class StatsHooks:
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, its gram): shared by siblings
         self._handles = [
             layer.get_submodule(name[len(layer_prefix):]).register_forward_hook(self._hook(name), with_kwargs=True)
-            for name in wanted
+            for name, kinds in wanted.items() if kinds & ROW_KINDS or not kinds
         ]
+        for name, st in self.stats.items():
+            if "calls" in st.kinds:
+                self._handles.append(layer.get_submodule(name[len(layer_prefix):]).register_forward_hook(
+                    _recorder(st.calls), with_kwargs=True))
         calls_of: dict[str, list] = {}  # parent block -> its recorded calls, shared by its children's stats
         for name, st in self.stats.items():
             if "attention" in st.kinds:

@@ -35,6 +35,7 @@ FIELD_KINDS = {
     "str": (lambda x: isinstance(x, str) and bool(x), "a module name"),
     "ints>=1": (lambda x: isinstance(x, list) and bool(x) and all(_is_int(i, 1) for i in x), "a list of ints >= 1"),
     "dict": (lambda x: isinstance(x, dict), "a dict"),
+    "number>0": (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0, "a number > 0"),
 }
 
 
@@ -44,6 +45,8 @@ class FactorizedModule(nn.Module):
     build_order: int = 0
     #: the fields `spec()` writes and their kinds (`FIELD_KINDS`), or a tuple of allowed values
     spec_fields: dict = {}
+    #: True when the module keeps its tensors in child modules (checked recursively on reload)
+    nested: bool = False
 
     @classmethod
     def check_spec(cls, name: str, spec: dict) -> None:
