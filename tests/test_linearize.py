@@ -188,3 +188,62 @@ def test_missing_mixer_tensor_fails_before_loading(hybrid, tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn.gdn.A_log: missing from the checkpoint"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_state_reduction_on_the_hybrid_through_compress(hybrid, tmp_path, ids):
+    """The issue's flow on a linearized checkpoint (which carries its own hf_tensorcomp config, so
+    from_pretrained ignores a second one): load, `hf_tensorcomp.compress`, save, reload."""
+    import hf_tensorcomp
+
+    _, out = hybrid
+    model = AutoModelForCausalLM.from_pretrained(out)
+    cfg = TensorCompressionConfig(method="state_reduction", scorer="drrqr", keep=0.5, calibration=_calibration(),
+                                  progress=False)
+    assert hf_tensorcomp.compress(model, cfg) is model
+    g = model.model.layers[1].self_attn.gdn
+    assert (g.head_k_dim, g.in_proj_qkv.weight.shape[0]) == (4, 2 * 24 + 48)
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    saved = again.config.quantization_config
+    assert [e.method for e in saved.entries] == ["linearize"]  # pruning reshaped the layer; nothing else to rebuild
+    assert saved.compressed_modules["model.layers.1.self_attn"]["head_k_dim"] == 4
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ref)
+
+
+def test_compress_a_loaded_dense_model_equals_compressing_at_load(tiny_dirs, tmp_path, ids):
+    import hf_tensorcomp
+
+    cfg = dict(method="laser", rank=4, targets=["mlp.*"], progress=False)
+    at_load = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(**cfg))
+    model = hf_tensorcomp.compress(AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]), TensorCompressionConfig(**cfg))
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert torch.equal(ref, at_load(ids).logits)
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.config.quantization_config.compressed_modules == at_load.config.quantization_config.compressed_modules
+    with torch.no_grad():
+        assert torch.allclose(again(ids).logits, ref, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="TensorCompressionConfig"):
+        hf_tensorcomp.compress(again, {"method": "laser"})
+
+
+def test_factoring_a_hybrid_stacks_its_entries(hybrid, tmp_path, ids):
+    """compression_config= on a checkpoint that is already a hf_tensorcomp model compresses it further."""
+    import hf_tensorcomp
+
+    _, out = hybrid
+    cfg = TensorCompressionConfig(method="laser", rank=4, targets=["mlp.*"], progress=False)
+    model = hf_tensorcomp.AutoModelForCausalLM.from_pretrained(out, compression_config=cfg)
+    assert isinstance(model.model.layers[1].self_attn, GatedDeltaNetAttention)
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert [e.method for e in again.config.quantization_config.entries] == ["linearize", "laser"]
+    assert type(again.model.layers[0].mlp.up_proj).__name__ == "LowRankLinear"
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ref)

@@ -1,5 +1,5 @@
 """The transformers glue. Nothing else in hf_tensorcomp imports transformers internals."""
-from .quantizer import TensorCompQuantizer
+from .quantizer import TensorCompQuantizer, compress
 from .auto import AutoModelForCausalLM
 
-__all__ = ["TensorCompQuantizer", "AutoModelForCausalLM"]
+__all__ = ["TensorCompQuantizer", "AutoModelForCausalLM", "compress"]

@@ -61,16 +61,12 @@ class TensorCompQuantizer(HfQuantizer):
         else:
             if _is_offloaded(getattr(model, "hf_device_map", None)):
                 self.validate_environment(device_map=model.hf_device_map)
-            cfg = self.quantization_config
-            surgery.compress_model(model, cfg, getattr(self, "_work", None))
-            model.add_model_tags(["hf_tensorcomp"] + [f"tensorcomp-{e.method}" for e in cfg.entries])
+            _compressed(model, self.quantization_config, getattr(self, "_work", None))
             self.pre_quantized = True  # the model now holds factors: save as such
-            if not cfg.compressed_modules and all(get_method(e.method).structural for e in cfg.entries):
+            if _only_structural(model, self.quantization_config):
                 # only structural methods ran (e.g. state reduction): the model is an ordinary, smaller
                 # transformers model of its own class and config; drop the quantizer so it saves and
-                # reloads with plain transformers. The record stays on the model object (`tensorcomp_config`,
-                # `tensorcomp_stats`) for this session's model card / report.
-                model.tensorcomp_config, model.tensorcomp_stats = cfg, cfg.stats  # kept in memory, not saved
+                # reloads with plain transformers
                 self.remove_quantization_config(model)
         return model
 
@@ -94,3 +90,51 @@ class TensorCompQuantizer(HfQuantizer):
     @property
     def is_compileable(self):
         return True
+
+
+def _compressed(model, cfg: TensorCompressionConfig, work=None) -> None:
+    surgery.compress_model(model, cfg, work)
+    model.add_model_tags(["hf_tensorcomp"] + [f"tensorcomp-{e.method}" for e in cfg.entries])
+    # the record of this compression, for the session's model card / report (a structural result saves none)
+    model.tensorcomp_config, model.tensorcomp_stats = cfg, cfg.stats
+
+
+def _only_structural(model, cfg: TensorCompressionConfig) -> bool:
+    return all(get_method(e.method).structural for e in cfg.entries) and not cfg.compressed_modules
+
+
+def compress(model, config: TensorCompressionConfig):
+    """Compress an already loaded model in place and return it: what ``from_pretrained(...,
+    quantization_config=config)`` does at load time, for a model in hand.
+
+    This is the way to compress a checkpoint that is itself a hf_tensorcomp model (transformers keeps
+    the checkpoint's own ``quantization_config`` and ignores one passed to ``from_pretrained``), e.g.
+    state reduction on a linearized hybrid::
+
+        model = AutoModelForCausalLM.from_pretrained(hybrid_dir)          # Gated DeltaNet layers rebuilt
+        hf_tensorcomp.compress(model, TensorCompressionConfig(method="state_reduction", keep=0.5,
+                                                              calibration="wikipedia"))
+        model.save_pretrained("out")
+
+    On a model that already carries a hf_tensorcomp config, structural methods (state reduction) only
+    reshape its modules, and the saved config records the new shapes; a factoring method adds its entries
+    to that config. On a plain model it attaches the quantizer unless only structural methods ran.
+    """
+    if not isinstance(config, TensorCompressionConfig):
+        raise ValueError(f"hf_tensorcomp.compress: config must be a TensorCompressionConfig; got {type(config).__name__}")
+    held = getattr(model, "hf_quantizer", None)
+    if held is not None and not isinstance(held, TensorCompQuantizer):
+        raise ValueError(f"hf_tensorcomp.compress: the model is quantized with {type(held).__name__}; allowed: a dense "
+                         "model or one compressed by hf_tensorcomp")
+    _compressed(model, config, surgery.plan(model, config))
+    if held is not None:
+        prior = held.quantization_config
+        if not all(get_method(e.method).structural for e in config.entries):
+            prior.entries = list(prior.entries) + list(config.entries)
+        prior.compressed_modules = surgery.factored_specs(model)
+    elif not _only_structural(model, config):
+        quantizer = TensorCompQuantizer(config, pre_quantized=True)
+        make_save_atomic(model)
+        model.hf_quantizer, model.config.quantization_config = quantizer, config
+        model.is_quantized = True
+    return model
