@@ -1,4 +1,4 @@
-"""Rotor layers on SmolLM2-135M: q/k/v of one, two or three layers replaced by rotor / LR1 / LR4 / BH1.
+"""Rotor layers on SmolLM2-135M (or Gemma-3-270M, `model`): q/k/v of one, two or three layers replaced by rotor / LR1 / LR4 / BH1.
 
 The shape of the paper's Tables 1-3, on one thread. For each structure, one ``from_pretrained`` with
 ``TensorCompressionConfig(method="rotor", structure=..., layers=<all layers used>, retrain_o=True,
@@ -14,12 +14,17 @@ and the forward time of a trained rotor projection against the dense nn.Linear a
 
     OMP_NUM_THREADS=1 python benchmarks/rotor.py [--recipe recipes/rotor_benchmark.json]
 
-Writes benchmarks/results/rotor.json (after every row), rotor.md and rotor.png.
+Writes benchmarks/results/<out>.json (after every row), <out>.md and <out>.png (``out``: "rotor" by
+default; ``--resume`` keeps the rows already there and runs the missing ones. A structure whose
+stand-in the library refuses (e.g. worse than zeros) is recorded with the message, and its subsets
+without the refused layer are run. recipes/rotor_gemma.json writes rotor_gemma.*).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -46,6 +51,7 @@ DEFAULTS = {
     "bigbench_examples": 50,
     "o_epochs": 15,
     "seed": 0,
+    "out": "rotor",
 }
 QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -92,6 +98,7 @@ def timing(dense, comp, layer: int, tokens: torch.Tensor) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", help="JSON file overriding DEFAULTS (e.g. recipes/rotor_benchmark.json)")
+    ap.add_argument("--resume", action="store_true", help="keep the rows already in <out>.json and run only the missing ones")
     args = ap.parse_args()
     cfg = load_recipe(args.recipe, DEFAULTS)
     torch.set_num_threads(1)
@@ -103,18 +110,41 @@ def main():
     layers = sorted({li for s in cfg["subsets"] for li in s})
     n_dense = {leaf: getattr(dense.model.layers[layers[0]].self_attn, leaf).weight.numel() for leaf in (*QKV, "o_proj")}
     res = {"config": cfg, "rows": [], "fits": [], "timing": {}}
-    t0 = time.perf_counter()
-    res["rows"].append({"structure": "dense", "layers": "-", "o_proj": "-", "log_ppl": log_ppl(dense, tok, cfg["eval_tokens"]),
-                        "bigbench": bigbench(dense, tok, examples), "params_qkv": sum(n_dense[x] for x in QKV),
-                        "params_qkvo": sum(n_dense.values()), "seconds": round(time.perf_counter() - t0, 1)})
-    print(res["rows"][-1], flush=True)
-    for structure in cfg["structures"]:
-        qc = TensorCompressionConfig(method="rotor", structure=structure, layers=layers, retrain_o=True,
-                                     o_epochs=cfg["o_epochs"], seed=cfg["seed"], propagate=False, calibration="wikipedia",
-                                     calibration_samples=cfg["calibration_samples"],
-                                     calibration_length=cfg["calibration_length"], progress=False)
+    done = set()
+    if args.resume and (RESULTS / f"{cfg['out']}.json").is_file():  # keep earlier rows, run only the missing ones
+        res = json.loads((RESULTS / f"{cfg['out']}.json").read_text())
+        old = res["config"]
+        res["config"] = {**cfg, "structures": list(dict.fromkeys(old["structures"] + cfg["structures"])),
+                         "subsets": old["subsets"] + [x for x in cfg["subsets"] if x not in old["subsets"]]}
+        done = {(r["structure"], r["layers"], r["o_proj"]) for r in res["rows"] if r.get("log_ppl") is not None}
+    if ("dense", "-", "-") not in done:
         t0 = time.perf_counter()
-        comp = AutoModelForCausalLM.from_pretrained(path, quantization_config=qc, dtype=torch.float32).eval()
+        res["rows"].append({"structure": "dense", "layers": "-", "o_proj": "-", "log_ppl": log_ppl(dense, tok, cfg["eval_tokens"]),
+                            "bigbench": bigbench(dense, tok, examples), "params_qkv": sum(n_dense[x] for x in QKV),
+                            "params_qkvo": sum(n_dense.values()), "seconds": round(time.perf_counter() - t0, 1)})
+        print(res["rows"][-1], flush=True)
+    for structure in cfg["structures"]:
+        subsets = [x for x in cfg["subsets"] if (structure, ",".join(map(str, x)), "retrained") not in done]
+        if not subsets:
+            continue
+        comp = None
+        while subsets and comp is None:
+            layers = sorted({li for x in subsets for li in x})
+            qc = TensorCompressionConfig(method="rotor", structure=structure, layers=layers, retrain_o=True,
+                                         o_epochs=cfg["o_epochs"], seed=cfg["seed"], propagate=False, calibration="wikipedia",
+                                         calibration_samples=cfg["calibration_samples"],
+                                         calibration_length=cfg["calibration_length"], progress=False)
+            t0 = time.perf_counter()
+            try:
+                comp = AutoModelForCausalLM.from_pretrained(path, quantization_config=qc, dtype=torch.float32).eval()
+            except ValueError as e:  # a stand-in refused by the library's checks (e.g. worse than zeros): recorded,
+                res["rows"].append({"structure": structure, "layers": ",".join(map(str, layers)), "o_proj": "-", "error": str(e)})
+                print(res["rows"][-1], flush=True)
+                write_json(f"{cfg['out']}.json", res)
+                bad = re.search(r"model\.layers\.(\d+)\.", str(e))  # then the subsets without the refused layer are run
+                subsets = [x for x in subsets if bad and int(bad.group(1)) not in x]
+        if comp is None:
+            continue
         load_s = time.perf_counter() - t0
         stats = comp.config.quantization_config.stats["modules"]
         per_layer = {}
@@ -130,7 +160,7 @@ def main():
         res["timing"][structure] = {"from_pretrained_seconds": round(load_s, 1),
                                     **timing(dense, comp, layers[len(layers) // 2], comp_inputs(dense, tok, layers[len(layers) // 2]))}
         print(res["timing"][structure], flush=True)
-        for subset in cfg["subsets"]:
+        for subset in subsets:
             for o_mode in ("untouched", "retrained"):
                 t0 = time.perf_counter()
                 undo = swapped(dense, comp, subset, QKV + (("o_proj",) if o_mode == "retrained" else ()))
@@ -145,9 +175,9 @@ def main():
                 row["seconds"] = round(time.perf_counter() - t0, 1)
                 res["rows"].append(row)
                 print(row, flush=True)
-                write_json("rotor.json", res)
+                write_json(f"{cfg['out']}.json", res)
         del comp
-    write_json("rotor.json", res)
+    write_json(f"{cfg['out']}.json", res)
     report(res)
 
 
@@ -164,7 +194,8 @@ def comp_inputs(dense, tok, layer: int) -> torch.Tensor:
 
 
 def report(res: dict) -> None:
-    rows = res["rows"]
+    errors = [r for r in res["rows"] if r.get("error")]
+    rows = [r for r in res["rows"] if not r.get("error")]
     cols = [("structure", "structure", "{}"), ("layers", "layers", "{}"), ("o_proj", "o_proj", "{}"),
             ("log_ppl", "log-ppl", "{:.3f}"), ("bigbench", "goal_step_wikihow acc", "{:.2f}"),
             ("params_qkv", "params q+k+v / layer", "{:,}"), ("params_qkvo", "params q+k+v+o / layer", "{:,}")]
@@ -188,9 +219,10 @@ def report(res: dict) -> None:
             f"512-token windows); goal_step_wikihow: first {c['bigbench_examples']} examples, zero-shot, length-normalized. "
             f"o_proj 'retrained': a fresh dense o_proj trained {c['o_epochs']} epochs on the block's dense output "
             "(its parameters counted in the last column).\n\n"
-            + markdown_table(rows, cols) + "\n\n## Fits (per projection)\n\n" + markdown_table(fits, fcols)
+            + markdown_table(rows, cols) + "".join(f"\n\n**{r['structure']} on layers {r['layers']} refused**: {r['error']}"
+                                                   for r in errors) + "\n\n## Fits (per projection)\n\n" + markdown_table(fits, fcols)
             + "\n\n## Forward time (one thread)\n\n" + markdown_table(tim, tcols) + "\n")
-    (RESULTS / "rotor.md").write_text(text)
+    (RESULTS / f"{c['out']}.md").write_text(text)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,7 +244,7 @@ def report(res: dict) -> None:
     axes[0].legend()
     fig.suptitle(f"{c['model']}: q/k/v replaced (rotor vs LR1/LR4/BH1)")
     fig.tight_layout()
-    fig.savefig(RESULTS / "rotor.png", dpi=110)
+    fig.savefig(RESULTS / f"{c['out']}.png", dpi=110)
 
 
 if __name__ == "__main__":

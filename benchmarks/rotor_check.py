@@ -9,6 +9,7 @@ rank-r map *for these activations* (reduced-rank regression, closed form from th
 covariance) is evaluated too. Timing: one thread, min over repeats.
 
     OMP_NUM_THREADS=1 python benchmarks/rotor_check.py [--calib-tokens 16384] [--eval-tokens 4096]
+    OMP_NUM_THREADS=1 python benchmarks/rotor_check.py --timing-only   # forward-time table -> rotor_speed.{json,md}
     OMP_NUM_THREADS=1 python benchmarks/rotor_check.py --structures lr1 lr4 bh1 --lr 0.01 --batch-size 256 \
         --skip-timing --out rotor_check_baselines_paper_lr.json   # the baselines at the paper's LR / BH setting
 
@@ -67,19 +68,33 @@ def reduced_rank(w, x, r):
 
 class DenseChunkRotor(RotorLinear):
     """The same gadget with every window pair's sandwich precomputed as a dense 2^n x 2^n matrix (the
-    authors' implementation) — only to time it against the sparse application."""
+    authors' implementation) — only to time it against the matrix-representation application."""
 
     def cache_dense(self):
         with torch.no_grad():
             self._dense = []
-            for i, (left, right) in enumerate(self._rotors()):
+            for i, (left, right, _, _) in enumerate(self._rotors()):
                 n = self.levels[i].n
                 eye = torch.eye(2**n)[None].expand(left.cos.shape[0], -1, -1)  # (pairs, 2^n basis, 2^n)
                 cols = cl.sandwich(eye.transpose(1, 2), left, n, right, dim=-2)  # column j = image of e_j
                 self._dense.append(cols.contiguous())
 
-    def _maps(self, xp, i, rotors):
-        return torch.bmm(self._dense[i], xp)
+    def _maps(self, xc, i, rotors, alpha):
+        lv = self.levels[i]
+        mats = (self._dense[i] * alpha.reshape(-1, 1, 1)).view(lv.branches, lv.m_in, lv.m_out, lv.chunk, lv.chunk)
+        return (mats @ xc[None, :, None]).sum(1)
+
+
+class VectorProductRotor(RotorLinear):
+    """The previous application: each simple rotor as two vector products (n signed bit-flipped
+    copies each) on every window pair — kept to time against."""
+
+    def _maps(self, xc, i, rotors, alpha):
+        lv = self.levels[i]
+        left, right, _, _ = rotors
+        xp = xc[None, :, None].expand(lv.branches, lv.m_in, lv.m_out, lv.chunk, xc.shape[-1]).reshape(-1, lv.chunk, xc.shape[-1])
+        y = cl.sandwich(xp, left, lv.n, right, dim=-2) * alpha.reshape(-1, 1, 1)
+        return y.view(lv.branches, lv.m_in, lv.m_out, lv.chunk, -1).sum(1)
 
 
 def best_time(f, reps, rounds=5):
@@ -93,6 +108,49 @@ def best_time(f, reps, rounds=5):
     return best
 
 
+IMPLEMENTATIONS = {
+    "nn.Linear": None,
+    "rotor: matrix representation (current)": RotorLinear,
+    "rotor: vector products (previous application)": VectorProductRotor,
+    "rotor: dense 2^n x 2^n chunk matrices (the authors')": DenseChunkRotor,
+}
+
+
+def speed_table(x: torch.Tensor, rounds: int = 5) -> list[dict]:
+    """Forward ms (one thread, min over `rounds`) of each implementation of the same random-init gadget
+    for SmolLM2's q (576 -> 576) and k/v (576 -> 192) at batch 1 and 64, outputs checked equal."""
+    rows = []
+    with torch.no_grad():
+        for name, d_out in (("q_proj 576->576", 576), ("k_proj 576->192", 192)):
+            mods = {}
+            for label, cls in IMPLEMENTATIONS.items():
+                mods[label] = nn.Linear(576, d_out).eval() if cls is None else cls.create(576, d_out).eval()
+                if cls is DenseChunkRotor:
+                    mods[label].cache_dense()
+            ref = mods["rotor: matrix representation (current)"]
+            for b in (1, 64):
+                xb = x[:b].contiguous()
+                t_lin = best_time(lambda: mods["nn.Linear"](xb), 200 if b == 1 else 50, rounds)
+                for label, m in mods.items():
+                    if label != "nn.Linear":
+                        assert torch.allclose(m(xb), ref(xb), atol=1e-4), label
+                    t = t_lin if label == "nn.Linear" else best_time(lambda: m(xb), 20 if b == 1 else 5, rounds)
+                    rows.append({"projection": name, "batch": b, "implementation": label, "ms": round(t * 1e3, 4),
+                                 "vs_linear": round(t / t_lin, 1)})
+                    print(rows[-1], flush=True)
+    return rows
+
+
+def speed_markdown(rows: list[dict]) -> str:
+    lines = ["| projection | implementation | batch 1 ms | × Linear | batch 64 ms | × Linear |", "|---|---|---|---|---|---|"]
+    for proj in dict.fromkeys(r["projection"] for r in rows):
+        for impl in dict.fromkeys(r["implementation"] for r in rows):
+            b1, b64 = (next(r for r in rows if r["projection"] == proj and r["implementation"] == impl and r["batch"] == b)
+                       for b in (1, 64))
+            lines.append(f"| {proj} | {impl} | {b1['ms']:.3f} | {b1['vs_linear']} | {b64['ms']:.3f} | {b64['vs_linear']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calib-tokens", type=int, default=16384)
@@ -100,12 +158,21 @@ def main():
     ap.add_argument("--structures", nargs="+", default=["rotor", "rotor-pad", "lr1", "lr4", "bh1"])
     ap.add_argument("--projections", nargs="+", default=["q_proj", "k_proj"])
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--timing-only", action="store_true", help="only the forward-time table -> rotor_speed.{json,md}")
     ap.add_argument("--lr", type=float, help="override every structure's learning rate (default: the paper's per structure)")
     ap.add_argument("--batch-size", type=int, help="override every structure's batch size")
     ap.add_argument("--out", default="rotor_check.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model("smollm2")
+    if args.timing_only:
+        x = capture(model, tok, load_text("wikipedia", "eval"), 64)
+        timing = speed_table(x)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "rotor_speed.json").write_text(json.dumps(timing, indent=1))
+        (RESULTS / "rotor_speed.md").write_text(speed_markdown(timing))
+        print(speed_markdown(timing))
+        return
     x_cal = capture(model, tok, load_text("wikipedia", "calib"), args.calib_tokens)
     x_ev = capture(model, tok, load_text("wikipedia", "eval"), args.eval_tokens)
     print(f"calibration tokens {x_cal.shape[0]}, held-out tokens {x_ev.shape[0]}", flush=True)
@@ -138,22 +205,7 @@ def main():
             out["fits"].append(row)
             print(row, flush=True)
     if not args.skip_timing:
-        dense = nn.Linear(576, 576).eval()
-        sparse = RotorLinear.create(576, 576).eval()
-        chunked = DenseChunkRotor.create(576, 576).eval()
-        chunked.load_state_dict(sparse.state_dict())
-        chunked.cache_dense()
-        with torch.no_grad():
-            for b in (1, 64):
-                xb = x_ev[:b].contiguous()
-                assert torch.allclose(sparse(xb), chunked(xb), atol=1e-3)
-                t_lin = best_time(lambda: dense(xb), 200 if b == 1 else 50)
-                t_sp = best_time(lambda: sparse(xb), 20 if b == 1 else 3)
-                t_dc = best_time(lambda: chunked(xb), 20 if b == 1 else 3)
-                out["timing"][f"batch{b}"] = {"linear_ms": round(t_lin * 1e3, 4), "rotor_sparse_ms": round(t_sp * 1e3, 3),
-                                              "rotor_dense_chunks_ms": round(t_dc * 1e3, 3),
-                                              "sparse_vs_linear": round(t_sp / t_lin, 1), "dense_chunks_vs_linear": round(t_dc / t_lin, 1)}
-                print(b, out["timing"][f"batch{b}"], flush=True)
+        out["timing"] = speed_table(x_ev[:64].contiguous())
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / args.out).write_text(json.dumps(out, indent=1))
 

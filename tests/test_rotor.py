@@ -158,6 +158,40 @@ def test_sandwich_gradients_match_finite_differences():
     assert torch.autograd.gradcheck(lambda x, c, w, v: cl.sandwich(x, cl.SimpleRotors(c, w, v), n), (x, c, w, v))
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_matrix_representation_is_a_faithful_algebra_map(n):
+    """ρ(x y) = ρ(x) ρ(y), ρ(x†) = ρ(x)ᵀ, and decoding inverts encoding (x as one token column)."""
+    x, y = (torch.randn(2**n, generator=_g(i), dtype=torch.float64) for i in range(2))
+    rx, ry = (cl.spin_encode(v[:, None], n)[..., 0] for v in (x, y))
+    assert torch.allclose(cl.spin_encode(cl.geometric_product(x, y, n)[:, None], n)[..., 0], rx @ ry, atol=1e-12)
+    assert torch.allclose(cl.spin_encode(cl.reverse(x, n)[:, None], n)[..., 0], rx.transpose(-1, -2), atol=1e-12)
+    assert torch.allclose(cl.spin_decode(rx[..., None], n)[:, 0], x, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 7, 8, 9, 10])
+def test_matrix_sandwich_equals_vector_products_and_dense_reference(n):
+    b = torch.randn(3, 2, cl.n_bivectors(n), generator=_g(n), dtype=torch.float64)
+    _, rot, _ = cl.invariant_decomposition(b, n, iters=300, tol=1e-13)
+    r, s = (cl.SimpleRotors(rot.cos[:, i], rot.w[:, i], rot.v[:, i]) for i in range(2))
+    x = torch.randn(3, 2**n, 4, generator=_g(1), dtype=torch.float64)  # (rotors, 2^n, tokens)
+    fast = cl.spin_sandwich(x, r, n, s)
+    assert torch.allclose(fast, cl.sandwich(x, r, n, s, dim=-2), atol=1e-10)
+    assert torch.allclose(cl.spin_sandwich(x, r, n), cl.sandwich(x, r, n, dim=-2), atol=1e-10)
+    if n <= 5:
+        ref = cl.sandwich_reference(x.transpose(1, 2), r.multivector(n)[:, None], n, s.multivector(n)[:, None])
+        assert torch.allclose(fast, ref.transpose(1, 2), atol=1e-10)
+    assert cl.rotor_matrix(r, n).shape[-1] <= (16 if n <= 9 else 32)  # N x N, never 2^n x 2^n
+
+
+def test_matrix_sandwich_gradients_match_finite_differences():
+    n = 4
+    x = torch.randn(1, 2**n, 3, generator=_g(0), dtype=torch.float64, requires_grad=True)
+    c = torch.randn(1, 2, generator=_g(1), dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1, 2, n, generator=_g(2), dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, n, generator=_g(3), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, c, w, v: cl.spin_sandwich(x, cl.SimpleRotors(c, w, v), n), (x, c, w, v))
+
+
 def test_decomposition_gradient_matches_finite_differences():
     """With enough replayed power steps the autograd gradient of b -> r x r† is the true derivative."""
     n = 5

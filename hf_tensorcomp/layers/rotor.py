@@ -13,9 +13,12 @@ Architecture (the paper's Appendix C, authors' released configuration by default
   the results are summed into their output windows and divided by how often each output
   coordinate was written (m_in x its window coverage) — the authors' averaging.
 - r, s = exp(bivector), each bivector C(n, 2) learnable coefficients; the exponential goes through
-  the invariant decomposition into ⌊n/2⌋ simple rotors (`decompositions.clifford`), and the sandwich
-  is applied as 2⌊n/2⌋ vector products per side, O(n^2 2^n) per window pair — never a dense
-  2^n x 2^n matrix.
+  the invariant decomposition into ⌊n/2⌋ simple rotors (`decompositions.clifford`). The sandwich runs
+  in Cl(n)'s matrix representation (`clifford.spin_sandwich`): once per forward every rotor becomes
+  an N x N matrix (N = 16 for n <= 9); per token each *input window* is turned into its matrix once,
+  every (branch, output window) pair is ρ(r) X ρ(s)ᵀ (two small matmuls, all pairs of a level in
+  one batched GEMM), the pairs are summed over input windows as matrices and each output window is
+  turned back once — O(2^n · N) per window pair, never a dense 2^n x 2^n matrix.
 - perm: a fixed random permutation per block (rotor maps preserve grade; the permutation mixes
   grades); LayerNorm without affine parameters; one PReLU slope shared by every block (as the
   authors' code shares one ``nn.PReLU``).
@@ -96,13 +99,9 @@ class Level:
     def n(self) -> int:
         return self.chunk.bit_length() - 1
 
-    @property
-    def m_in(self) -> int:
-        return windows(self.d_in, self.chunk).shape[0]
-
-    @property
-    def m_out(self) -> int:
-        return windows(self.d_out, self.chunk).shape[0]
+    def __post_init__(self):
+        self.m_in = windows(self.d_in, self.chunk).shape[0]
+        self.m_out = windows(self.d_out, self.chunk).shape[0]
 
     @property
     def pairs(self) -> int:
@@ -230,49 +229,69 @@ class RotorLinear(FactorizedModule):
                 with torch.no_grad():  # the next step starts from this solution (like BatchNorm's running stats)
                     self.warm[a:b].copy_(new_warm.reshape(-1))
             left = cl.SimpleRotors(rot.cos[:, 0], rot.w[:, 0], rot.v[:, 0])
-            right = cl.SimpleRotors(rot.cos[:, 1], rot.w[:, 1], rot.v[:, 1]) if self.double else None
-            out.append((left, right))
+            right = cl.SimpleRotors(rot.cos[:, 1], rot.w[:, 1], rot.v[:, 1]) if self.double else left
+            rm = cl.rotor_matrix(left, n)  # the rotors as N x N matrices of the spinor representation, once per forward
+            out.append((left, right, rm, cl.rotor_matrix(right, n) if self.double else rm))
         if caching:
-            self._cache = ((self.weight._version, self.warm._version, self.weight.data_ptr()),
-                           [(l.detach(), r.detach() if r is not None else None) for l, r in out])
+            self._cache = (key, [tuple(t.detach() for t in o) for o in out])
         return out
 
     # ------------------------------------------------------------------------------------ forward
     def _index_tables(self, device):
-        """Fixed window indices and write counts, derived from the layout (so neither saved nor built on meta)."""
+        """Per level, fixed and derived from the layout (so neither saved nor built on meta): input window
+        indices, the output windows as contiguous runs (window, start in window, start in output, length)
+        and how often each output coordinate is written (x m_in)."""
         if self._tables is None or self._tables[0] != device:
             tables = []
             for lv in self.levels:
                 out_idx = windows(lv.d_out, lv.chunk)
                 count = torch.zeros(max(lv.d_out, lv.chunk)).index_add_(0, out_idx.reshape(-1), torch.ones(out_idx.numel()))
-                tables.append((windows(lv.d_in, lv.chunk).to(device), out_idx.to(device), (count.clamp_min(1) * lv.m_in).to(device)))
+                runs = []
+                for j, w in enumerate(out_idx.tolist()):
+                    cut = [0] + [p for p in range(1, len(w)) if w[p] != w[p - 1] + 1] + [len(w)]
+                    runs += [(j, a, w[a], b - a) for a, b in zip(cut, cut[1:])]
+                tables.append((windows(lv.d_in, lv.chunk).to(device), runs, (count.clamp_min(1) * lv.m_in).to(device)))
             self._tables = (device, tables)
         return self._tables[1]
 
-    def _maps(self, xp: torch.Tensor, i: int, rotors) -> torch.Tensor:
-        """Every window pair's r x s† on its input window, ``xp (pairs, 2^n, T)`` -> same shape."""
-        left, right = rotors
-        return cl.sandwich(xp, left, self.levels[i].n, right, dim=-2)
+    def _maps(self, xc: torch.Tensor, i: int, rotors, alpha: torch.Tensor) -> torch.Tensor:
+        """Σ over input windows of α · r x s† for every (branch, output window): xc (m_in, 2^n, T) ->
+        (branches, m_out, 2^n, T). Each input window is turned into its matrix once; the window pairs'
+        products are summed as matrices, so each output window is turned back once."""
+        lv = self.levels[i]
+        _, _, rm, sm = rotors
+        nb, big_n, t = rm.shape[1], rm.shape[-1], xc.shape[-1]
+
+        def by_input(m):  # (branches · pairs, blocks, N, N) -> (m_in, blocks, branches · m_out, N, N)
+            return m.view(lv.branches, lv.m_in, lv.m_out, nb, big_n, big_n).permute(1, 3, 0, 2, 4, 5).reshape(
+                lv.m_in, nb, -1, big_n, big_n)
+
+        xm = cl.spin_encode(xc, lv.n)  # (m_in, blocks, N, N, T)
+        rm = by_input(rm * alpha.reshape(-1, 1, 1, 1)).flatten(2, 3)  # every branch and output window as rows of one matmul
+        z = (rm @ xm.view(lv.m_in, nb, big_n, big_n * t)).view(lv.m_in, nb, -1, big_n, big_n, t)
+        ym = (by_input(sm)[..., None, :, :] @ z).sum(0)  # ρ(r) X ρ(s)ᵀ summed over input windows: (blocks, branches · m_out, N, N, T)
+        ym = ym.view(nb, lv.branches, lv.m_out, big_n, big_n, t).permute(1, 2, 0, 3, 4, 5)
+        return cl.spin_decode(ym, lv.n)
 
     def _level(self, x: torch.Tensor, i: int, rotors, perm_row: int) -> torch.Tensor:
         """One rotor map (and its perm / LayerNorm / PReLU), features first: x (d_in, T) -> (d_out, T)."""
         lv = self.levels[i]
         _, alpha, beta = self._level_params(i)
-        in_idx, out_idx, count = self._index_tables(x.device)[i]
+        in_idx, runs, count = self._index_tables(x.device)[i]
         t = x.shape[-1]
         if lv.chunk > lv.d_in:
             x = F.pad(x, (0, 0, 0, lv.chunk - lv.d_in))
-        xc = x[in_idx]  # (m_in, c, T)
-        xp = xc[None, :, None].expand(lv.branches, lv.m_in, lv.m_out, lv.chunk, t).reshape(-1, lv.chunk, t)
-        y = self._maps(xp, i, rotors) * alpha.reshape(-1, 1, 1)
-        y = y.view(lv.branches, lv.m_in, lv.m_out * lv.chunk, t).sum(1)
-        out = y.new_zeros(lv.branches, count.shape[0], t).index_add_(1, out_idx.reshape(-1), y) / count[:, None]
-        out = out[:, : lv.d_out]
+        y = self._maps(x[in_idx], i, rotors, alpha)  # (branches, m_out, c, T)
+        out = y.new_zeros(lv.branches, count.shape[0], t)
+        for j, a, b, n in runs:  # overlapping output windows, summed as contiguous slices
+            out[:, b : b + n] += y[:, j, a : a + n]
+        out = (out / count[:, None])[:, : lv.d_out]
         if lv.post:
             perm = self.perm[perm_row : perm_row + lv.branches].long()
-            out = torch.gather(out, 1, perm[:, :, None].expand(-1, -1, t))
-            var, mean = torch.var_mean(out, dim=1, keepdim=True, unbiased=False)
-            out = (out - mean) * torch.rsqrt(var + 1e-5)  # LayerNorm over the features, no affine
+            perm = (perm + torch.arange(lv.branches, device=perm.device)[:, None] * lv.d_out).reshape(-1)
+            out = out.reshape(-1, t).index_select(0, perm).view(lv.branches, lv.d_out, t)
+            out = out - out.mean(1, keepdim=True)
+            out = out * torch.rsqrt(out.square().mean(1, keepdim=True) + 1e-5)  # LayerNorm over the features, no affine
             out = F.prelu(out, self.weight[self._prelu_at :].float())
         if beta is not None:
             return (out * beta[:, None, None]).sum(0)
