@@ -247,3 +247,15 @@ def test_factoring_a_hybrid_stacks_its_entries(hybrid, tmp_path, ids):
     assert type(again.model.layers[0].mlp.up_proj).__name__ == "LowRankLinear"
     with torch.no_grad():
         assert torch.equal(again(ids).logits, ref)
+
+
+def test_model_card_names_the_layers_a_method_changed():
+    """layers=None (linearize's every-k default) shows the layers it actually changed, not "all"."""
+    from types import SimpleNamespace
+
+    from hf_tensorcomp.integration.hub import _layers
+
+    stats = {"modules": {f"model.layers.{i}.self_attn": {"method": "linearize"} for i in (2, 5, 8)}}
+    assert _layers(SimpleNamespace(layers=None, method="linearize"), stats, 9) == "2, 5, 8"
+    assert _layers(SimpleNamespace(layers=None, method="linearize"), stats, 3) == "all"
+    assert _layers(SimpleNamespace(layers=[0], method="linearize"), stats, 9) == "[0]"

@@ -42,6 +42,15 @@ def compression_config(model) -> TensorCompressionConfig:
     return cfg
 
 
+def _layers(entry, stats: dict | None, n_layers: int) -> str:
+    """The entry's layers as given, or (layers=None) the decoder layers its method actually changed."""
+    if entry.layers is not None:
+        return str(entry.layers)
+    seen = sorted({int(n.split(".layers.", 1)[1].split(".", 1)[0]) for n, m in (stats or {}).get("modules", {}).items()
+                   if m.get("method") == entry.method and ".layers." in n})
+    return "all" if not seen or len(seen) == n_layers else ", ".join(map(str, seen))
+
+
 def chosen_ranks(stats: dict, method: str) -> str:
     """The ranks compression chose for a method's modules, e.g. ``"288 ×40, 96 ×20"`` ("-" if none recorded)."""
     counts: dict[str, int] = {}
@@ -77,7 +86,7 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
               "| entry | method | rank | chosen ranks | targets | layers | mode | options |", "|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(cfg.entries):
         lines.append(f"| {i} | {e.method} | {'-' if e.rank is None else e.rank} | {chosen_ranks(st, e.method)} "
-                     f"| {', '.join(e.targets)} | {'all' if e.layers is None else e.layers} | {e.mode} | {e.options or ''} |")
+                     f"| {', '.join(e.targets)} | {_layers(e, st, model.config.get_text_config().num_hidden_layers)} | {e.mode} | {e.options or ''} |")
     if st:
         for k, a in st.get("allocation", {}).items():
             lines.append(f"\nEntry {k}: target {a['target']} of {a['params_targeted']:,} parameters, kept "
