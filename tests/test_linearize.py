@@ -191,7 +191,7 @@ def test_missing_mixer_tensor_fails_before_loading(hybrid, tmp_path):
 
 
 def test_state_reduction_on_the_hybrid_through_compress(hybrid, tmp_path, ids):
-    """The issue's flow on a linearized checkpoint (which carries its own hf_tensorcomp config, so
+    """The README's state-reduction flow on a linearized checkpoint (which carries its own hf_tensorcomp config, so
     from_pretrained ignores a second one): load, `hf_tensorcomp.compress`, save, reload."""
     import hf_tensorcomp
 

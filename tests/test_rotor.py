@@ -233,7 +233,7 @@ from hf_tensorcomp.training import fit, lr_schedule, relative_mse  # noqa: E402
 
 
 @pytest.mark.parametrize("d_in, d_out, expect", [
-    (576, 576, 737), (576, 192, 935),      # SmolLM2 q, k/v (the authors' rule, as in the issue)
+    (576, 576, 737), (576, 192, 935),      # SmolLM2 q, k/v (the authors' rule)
     (640, 1024, 737), (640, 256, 705),     # Gemma-3-270M q, k/v
     (2048, 2048, 895), (2048, 512, 1076),  # LLaMA-3.2-1B q, k/v: the paper's Table 3 says <= 896, <= 1080
 ])
