@@ -18,6 +18,11 @@ def is_int(x: Any, lo: int | None = None) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and (lo is None or x >= lo)
 
 
+def is_number(x: Any) -> bool:
+    """A real number given as an int or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def choices(allowed) -> str:
     """The "allowed" text of an error for a field that takes one of `allowed`."""
     return " | ".join(map(repr, allowed))

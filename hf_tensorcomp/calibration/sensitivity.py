@@ -35,24 +35,11 @@ def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str],
         handles.append(layer_list.get_submodule(n).register_forward_hook(hook_for(n)))
     emb = model.get_input_embeddings()
     handles.append(emb.register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    was_training = model.training
-    device = next(model.parameters()).device
     try:
-        for p, _ in flags:
-            p.requires_grad_(False)
-        model.eval()
-        with torch.enable_grad():
-            for batch in ids.split(batch_size):
-                batch = batch.to(device)
-                out = model(input_ids=batch, labels=batch, use_cache=False)
-                (out.loss * batch.shape[0]).backward()  # summed over sequences, mean over tokens in each
+        _loss_backward(model, ids, batch_size)
     finally:
         for h in handles:
             h.remove()
-        for p, flag in flags:
-            p.requires_grad_(flag)
-        model.train(was_training)
     return {n: acc[n] / max(count[n], 1) for n in names}
 
 
@@ -63,28 +50,36 @@ def weight_gradients(model: nn.Module, layer_list: nn.ModuleList, names: list[st
     sequence) summed over the calibration sequences, one backward pass of the dense model. Only
     these parameters get gradients; every ``requires_grad`` flag is restored afterwards."""
     params = {n: dict(layer_list.get_submodule(n).named_parameters()) for n in names}
+    wanted = [p for ps in params.values() for p in ps.values()]
+    for p in wanted:
+        p.grad = None
+    try:
+        _loss_backward(model, ids, batch_size, wanted)
+        return {n: {k: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for k, p in ps.items()}
+                for n, ps in params.items()}
+    finally:
+        for p in wanted:
+            p.grad = None
+
+
+def _loss_backward(model: nn.Module, ids: torch.Tensor, batch_size: int, trainable=()) -> None:
+    """Backward of the language-modelling loss (mean over each sequence's tokens, summed over the
+    sequences) in eval mode, gradients only for `trainable`; requires_grad flags and mode restored."""
     flags = [(p, p.requires_grad) for p in model.parameters()]
     was_training = model.training
     device = next(model.parameters()).device
     try:
         for p, _ in flags:
             p.requires_grad_(False)
-            p.grad = None
-        for ps in params.values():
-            for p in ps.values():
-                p.requires_grad_(True)
+        for p in trainable:
+            p.requires_grad_(True)
         model.eval()
         with torch.enable_grad():
             for batch in ids.split(batch_size):
                 batch = batch.to(device)
                 out = model(input_ids=batch, labels=batch, use_cache=False)
                 (out.loss * batch.shape[0]).backward()
-        return {n: {k: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for k, p in ps.items()}
-                for n, ps in params.items()}
     finally:
-        for ps in params.values():
-            for p in ps.values():
-                p.grad = None
         for p, flag in flags:
             p.requires_grad_(flag)
         model.train(was_training)

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from ..validation import fail, is_int, validate_rank
+from ..validation import fail, is_int, is_number, validate_rank
 
 METHODS: dict[str, "Method"] = {}
 
@@ -30,10 +30,18 @@ def check_solver_options(o: dict) -> None:
     """The iterative-solver options TRAWL and TensorLLM share (tensorly CP-ALS / HOOI)."""
     if not is_int(o["n_iter_max"], 1):
         fail("n_iter_max", o["n_iter_max"], "an int >= 1")
-    if not isinstance(o["tol"], (int, float)) or isinstance(o["tol"], bool) or not o["tol"] > 0:
+    if not is_number(o["tol"]) or not o["tol"] > 0:
         fail("tol", o["tol"], "a number > 0")
     if o["init"] not in ("svd", "random"):
         fail("init", o["init"], "'svd' | 'random'")
+    if not is_int(o["seed"]):
+        fail("seed", o["seed"], "an int")
+
+
+def check_schedule_options(o: dict) -> None:
+    """The training-schedule options trained methods share (rotor, linearize): warm-up fraction, seed."""
+    if not is_number(o["warmup"]) or not 0 <= o["warmup"] < 1:
+        fail("warmup", o["warmup"], "a fraction of the steps in [0, 1)")
     if not is_int(o["seed"]):
         fail("seed", o["seed"], "an int")
 
@@ -113,7 +121,7 @@ class Method:
         """``target``: the fraction of the targeted modules' parameters (or bytes) kept, in (0, 1)."""
         if not self.supports_target:
             fail("target", target, f"None: method {self.name!r} takes no global budget (use its rank options)")
-        if not isinstance(target, (int, float)) or isinstance(target, bool) or not 0 < target < 1:
+        if not is_number(target) or not 0 < target < 1:
             fail("target", target, "a float in (0, 1): the fraction of the targeted modules' parameters kept")
         return float(target)
 

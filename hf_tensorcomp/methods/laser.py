@@ -32,7 +32,7 @@ import torch
 from ..decompositions import relative_error, truncated_svd
 from ..decompositions.svd import whitened_spectrum, whitened_svd, whitening_factor
 from ..layers import LowRankLinear
-from ..validation import choices, fail, resolve_rank
+from ..validation import choices, fail, is_number, resolve_rank
 from .base import Method, register_method
 
 WHITEN = (False, True, "cholesky", "asvd")
@@ -63,7 +63,7 @@ class Laser(Method):
         if o["whiten"] is True:
             o["whiten"] = "cholesky"
         for key in ("alpha", "damping"):
-            if not isinstance(o[key], (int, float)) or isinstance(o[key], bool) or not 0 <= o[key] <= 10:
+            if not is_number(o[key]) or not 0 <= o[key] <= 10:
                 fail(key, o[key], "a number in [0, 10]")
         if o["weighting"] not in (None, "fisher"):
             fail("weighting", o["weighting"], "None | 'fisher' (weight each output channel's error by its mean squared loss gradient)")

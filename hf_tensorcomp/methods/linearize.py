@@ -34,16 +34,10 @@ from torch import nn
 
 from ..layers import GatedDeltaNetAttention
 from ..training import lr_schedule
-from ..validation import fail, is_int
-from .base import Method, register_method
+from ..validation import fail, is_int, is_number
+from .base import Method, check_schedule_options, register_method
 
 LOSS_POINTS = 50  # the loss history kept in stats is thinned to about this many points
-
-
-def _positive(o: dict, field: str, what: str) -> None:
-    v = o[field]
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-        fail(field, v, what)
 
 
 def head_layout(config, attn: nn.Module) -> tuple[int, int, int, int]:
@@ -76,11 +70,9 @@ class Linearize(Method):
                 fail(field, o[field], "an int >= 1")
         if not is_int(o["conv_kernel"], 1):
             fail("conv_kernel", o["conv_kernel"], "an int >= 1 (taps of the short convolution; Qwen3.5 uses 4)")
-        _positive(o, "lr", "a number > 0 (Adam's learning rate)")
-        if not isinstance(o["warmup"], (int, float)) or isinstance(o["warmup"], bool) or not 0 <= o["warmup"] < 1:
-            fail("warmup", o["warmup"], "a fraction of the steps in [0, 1)")
-        if not is_int(o["seed"]):
-            fail("seed", o["seed"], "an int")
+        if not is_number(o["lr"]) or not o["lr"] > 0:
+            fail("lr", o["lr"], "a number > 0 (Adam's learning rate)")
+        check_schedule_options(o)
         return o
 
     def validate_rank(self, rank, options):

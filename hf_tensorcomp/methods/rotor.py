@@ -42,8 +42,8 @@ from ..layers import BlockHadamardLinear, LowRankLinear, RotorLinear
 from ..layers.block_hadamard import check_blocks
 from ..layers.rotor import CHUNKINGS, check_layout, hidden_width
 from ..training import fit, relative_mse
-from ..validation import choices, fail, is_int
-from .base import Method, register_method
+from ..validation import choices, fail, is_int, is_number
+from .base import Method, check_schedule_options, register_method
 
 STRUCTURES = ("rotor", "lr1", "lr4", "bh1")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -116,16 +116,13 @@ class Rotor(Method):
         for field in ("iters", "grad_steps", "epochs", "blocks", "o_epochs"):
             if not is_int(o[field], 1):
                 fail(field, o[field], "an int >= 1")
-        if o["lr"] is not None and (not isinstance(o["lr"], (int, float)) or isinstance(o["lr"], bool) or not o["lr"] > 0):
+        if o["lr"] is not None and (not is_number(o["lr"]) or not o["lr"] > 0):
             fail("lr", o["lr"], "None (the paper's per-structure default) or a number > 0")
-        if not isinstance(o["o_lr"], (int, float)) or isinstance(o["o_lr"], bool) or not o["o_lr"] > 0:
+        if not is_number(o["o_lr"]) or not o["o_lr"] > 0:
             fail("o_lr", o["o_lr"], "a number > 0 (Adam's rate for the retrained o_proj)")
         if o["batch_size"] is not None and not is_int(o["batch_size"], 1):
             fail("batch_size", o["batch_size"], "None (the paper's per-structure default) or an int >= 1")
-        if not isinstance(o["warmup"], (int, float)) or isinstance(o["warmup"], bool) or not 0 <= o["warmup"] < 1:
-            fail("warmup", o["warmup"], "a fraction of the steps in [0, 1)")
-        if not is_int(o["seed"]):
-            fail("seed", o["seed"], "an int")
+        check_schedule_options(o)
         return o
 
     def validate_rank(self, rank, options):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decompositions import key_selection as ks
-from ..validation import choices, fail, is_int
+from ..validation import choices, fail, is_int, is_number
 from .base import Method, register_method
 
 SCORERS = ("drrqr", "grad", "wanda", "l1", "rand", "pca")
@@ -219,14 +219,14 @@ class StateReduction(Method):
         if o["scorer"] not in SCORERS:
             fail("scorer", o["scorer"], choices(SCORERS))
         keep = o["keep"]
-        if not isinstance(keep, (int, float)) or isinstance(keep, bool) or not 0 < keep <= 1:
+        if not is_number(keep) or not 0 < keep <= 1:
             fail("keep", keep, "a float in (0, 1]: the fraction of each head's key channels kept")
         o["keep"] = float(keep)
         for key, lo in (("seed", None), ("samples", 1), ("recover_steps", 0), ("lora_rank", 1), ("recover_batch_size", 1)):
             if not is_int(o[key], lo):
                 fail(key, o[key], "an int" + ("" if lo is None else f" >= {lo}"))
         for key, lo in (("f", 1.0), ("recover_lr", 0.0)):
-            if not isinstance(o[key], (int, float)) or isinstance(o[key], bool) or not o[key] > lo:
+            if not is_number(o[key]) or not o[key] > lo:
                 fail(key, o[key], f"a number > {lo}")
         return o
 

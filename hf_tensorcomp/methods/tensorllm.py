@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validation import fail, is_int
+from ..validation import fail, is_int, is_number
 from ..decompositions import relative_error, tucker_hooi
 from ..decompositions.allocation import multilinear_ranks
 from ..decompositions.cp_tucker import fit_core
@@ -107,13 +107,13 @@ class TensorLLM(Method):
                 fail("ranks", r, "three ints >= 1 (R1 for d_model, R2 for head_dim, R3 for the Q/K/V/O mode)")
             o["ranks"] = list(r)
         if o["ratio"] is not None:
-            if not isinstance(o["ratio"], (int, float)) or isinstance(o["ratio"], bool) or not o["ratio"] > 1:
+            if not is_number(o["ratio"]) or not o["ratio"] > 1:
                 fail("ratio", o["ratio"], "a number > 1 (original attention parameters / compressed)")
             o["ratio"] = float(o["ratio"])
         check_solver_options(o)
         if not isinstance(o["whiten"], bool):
             fail("whiten", o["whiten"], "False | True (whiten the d_model mode by the Cholesky factor of XᵀX)")
-        if not isinstance(o["damping"], (int, float)) or isinstance(o["damping"], bool) or not 0 <= o["damping"] <= 10:
+        if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
             fail("damping", o["damping"], "a number in [0, 10]")
         return o
 

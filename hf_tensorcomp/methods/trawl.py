@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validation import fail, choices, is_int
+from ..validation import choices, fail, is_int, is_number
 from ..decompositions import CP, Tucker, cp_als, relative_error, tucker_hooi
 from ..decompositions.allocation import multilinear_ranks
 from ..decompositions.cp_tucker import fit_core
@@ -114,7 +114,7 @@ class Trawl(Method):
         if o["whiten"] and o["formulation"] != "per_layer":
             fail("whiten", o["whiten"], "False with formulation="
                  f"{o['formulation']!r} (matrices of different layers read different inputs), or formulation='per_layer'")
-        if not isinstance(o["damping"], (int, float)) or isinstance(o["damping"], bool) or not 0 <= o["damping"] <= 10:
+        if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
             fail("damping", o["damping"], "a number in [0, 10]")
         return o
 
