@@ -30,7 +30,7 @@ def lr_schedule(step: int, total: int, warmup: float = 0.05, floor: float = 0.0)
 @torch.enable_grad()  # from_pretrained may be called under torch.no_grad()
 def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.05, epochs: int = 1,
         batch_size: int = 64, seed: int = 0, warmup: float = 0.05, floor: float = 0.0, targets: torch.Tensor | None = None,
-        progress: bool = False, desc: str = "fit") -> list[float]:
+        windows: bool = False, progress: bool = False, desc: str = "fit") -> list[float]:
     """Train `module` in place so that ``module(x) ≈ dense_linear(x)`` on the rows of `inputs`.
 
     inputs: ``(tokens, d_in)`` real activations of the projection being replaced. The targets are
@@ -38,8 +38,12 @@ def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.
     per batch, Adam at ``lr`` with `lr_schedule` (stepped per batch), ``epochs`` passes over the
     tokens in a seeded shuffle: the same seed, module and data give the same result. The module is
     left in eval mode. Returns the loss of every step.
+
+    ``windows=True``: `inputs` and `targets` keep their shape ``(windows, tokens, d)`` and the shuffle and
+    batches run over windows (a module that mixes tokens, e.g. a whole attention block); a module
+    returning a tuple is scored on its first element.
     """
-    x = inputs.detach().reshape(-1, inputs.shape[-1]).float()
+    x = inputs.detach().float() if windows else inputs.detach().reshape(-1, inputs.shape[-1]).float()
     if targets is None:
         with torch.no_grad():
             if isinstance(dense_linear, nn.Linear):
@@ -48,7 +52,7 @@ def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.
             else:
                 y = dense_linear(x).float()
     else:
-        y = targets.detach().reshape(x.shape[0], -1).float()
+        y = targets.detach().float() if windows else targets.detach().reshape(x.shape[0], -1).float()
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
     steps_per_epoch = math.ceil(x.shape[0] / batch_size)
@@ -62,7 +66,8 @@ def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.
         order = torch.randperm(x.shape[0], generator=g)
         for s in range(steps_per_epoch):
             idx = order[s * batch_size : (s + 1) * batch_size]
-            loss = F.mse_loss(module(x[idx]).float(), y[idx])
+            out = module(x[idx])
+            loss = F.mse_loss((out[0] if isinstance(out, tuple) else out).float(), y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -226,8 +226,10 @@ def test_strong_rrqr_on_a_low_rank_key_space():
     torch.testing.assert_close(p.T @ p, basis @ basis.T)
 
 
-def test_recovery_lora_distillation_is_merged(dirs):
-    out = load(dirs["qwen3_5"], scorer="l1", keep=0.5, recover_steps=6, recover_lr=1e-2, lora_rank=4)
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "under_no_grad"])
+def test_recovery_lora_distillation_is_merged(dirs, grad):
+    with torch.set_grad_enabled(grad):  # from_pretrained is often called under no_grad: recovery still trains
+        out = load(dirs["qwen3_5"], scorer="l1", keep=0.5, recover_steps=6, recover_lr=1e-2, lora_rank=4)
     rec = out.tensorcomp_stats["finish"]["0"]["recovery"]
     assert rec["steps"] == 6 and rec["kl_last"] < rec["kl_first"]
     assert not [n for n in out.state_dict() if "lora" in n]

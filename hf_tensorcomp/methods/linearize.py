@@ -25,15 +25,13 @@ batch, the block's (args, kwargs, output); the input is ``kwargs["hidden_states"
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..layers import GatedDeltaNetAttention
-from ..training import lr_schedule
+from ..training import fit
 from ..validation import fail, is_int, is_number
 from .base import Method, check_schedule_options, register_method
 
@@ -119,8 +117,8 @@ class Linearize(Method):
             new = new.to(x.device)
             before = relative_mse(new, x, y)
             t0 = time.perf_counter()
-            history = train(new, x, y, epochs=o["epochs"], lr=o["lr"], batch_size=o["batch_size"],
-                            warmup=o["warmup"], seed=o["seed"] + layer_idx)
+            history = fit(new, None, x, targets=y, windows=True, epochs=o["epochs"], lr=o["lr"],
+                          batch_size=o["batch_size"], warmup=o["warmup"], seed=o["seed"] + layer_idx)
             seconds = time.perf_counter() - t0
             rel = relative_mse(new, x, y)
             stride = max(1, len(history) // LOSS_POINTS)
@@ -142,32 +140,6 @@ class Linearize(Method):
                              f"and outputs, and none were collected for {ctx.prefix}.{name}: set "
                              "TensorCompressionConfig(calibration=...) (e.g. calibration='wikipedia')")
         return calls
-
-
-@torch.enable_grad()  # from_pretrained may run under torch.no_grad()
-def train(module: GatedDeltaNetAttention, x: torch.Tensor, y: torch.Tensor, *, epochs: int, lr: float, batch_size: int,
-          warmup: float, seed: int) -> list[float]:
-    """Fit ``module(x)`` to ``y`` (both windows x tokens x hidden): MSE, Adam, seeded shuffle of the windows."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=lr)
-    steps = math.ceil(x.shape[0] / batch_size)
-    total = epochs * steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule(s, total, warmup))
-    g = torch.Generator().manual_seed(seed)
-    history = []
-    module.train()
-    for _ in range(epochs):
-        order = torch.randperm(x.shape[0], generator=g)
-        for s in range(steps):
-            idx = order[s * batch_size:(s + 1) * batch_size]
-            loss = F.mse_loss(module(x[idx])[0].float(), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            history.append(loss.item())
-    module.eval()
-    return history
 
 
 @torch.no_grad()

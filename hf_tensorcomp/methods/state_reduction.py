@@ -314,6 +314,7 @@ def _swap(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Modul
     return old
 
 
+@torch.enable_grad()  # from_pretrained may run under torch.no_grad()
 def recover(model: nn.Module, dense: dict[str, nn.Module], ids: torch.Tensor, o: dict) -> dict:
     """LoRA + distillation on the pruned mixers' q/k/v projections (and their convolutions); merged back."""
     from peft import LoraConfig, inject_adapter_in_model
