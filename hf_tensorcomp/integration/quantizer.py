@@ -121,7 +121,8 @@ def compress(model, config: TensorCompressionConfig):
     to that config. On a plain model it attaches the quantizer unless only structural methods ran.
     """
     if not isinstance(config, TensorCompressionConfig):
-        raise ValueError(f"hf_tensorcomp.compress: config must be a TensorCompressionConfig; got {type(config).__name__}")
+        raise ValueError(f"hf_tensorcomp.compress: config: got {type(config).__name__}; allowed: a TensorCompressionConfig "
+                         "(hf_tensorcomp.TensorCompressionConfig(method=..., ...))")
     held = getattr(model, "hf_quantizer", None)
     if held is not None and not isinstance(held, TensorCompQuantizer):
         raise ValueError(f"hf_tensorcomp.compress: the model is quantized with {type(held).__name__}; allowed: a dense "
