@@ -70,7 +70,7 @@ def _quanto(model, bits: int) -> int:
     """Weight-only quantize the decoder linears with optimum-quanto; returns the model's bytes."""
     from optimum.quanto import freeze, qint4, qint8, quantize
 
-    from hf_tensorcomp.surgery import find_decoder_layers
+    from hf_tensorcomp.plan import find_decoder_layers
 
     _, layers = find_decoder_layers(model)
     quantize(layers, weights={8: qint8, 4: qint4}[bits])
@@ -87,7 +87,7 @@ def _quanto(model, bits: int) -> int:
 def _linear_params(model) -> int:
     import torch
 
-    from hf_tensorcomp.surgery import find_decoder_layers
+    from hf_tensorcomp.plan import find_decoder_layers
 
     _, layers = find_decoder_layers(model)
     return sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
@@ -97,7 +97,7 @@ def _targeted_kept(model, patterns, stats) -> float:
     """Fraction of the targeted modules' weight parameters kept (their dense in x out, then what compression removed)."""
     from fnmatch import fnmatchcase
 
-    from hf_tensorcomp.surgery import find_decoder_layers
+    from hf_tensorcomp.plan import find_decoder_layers
 
     _, layers = find_decoder_layers(model)
     dense = sum(m.in_features * m.out_features for layer in layers for n, m in layer.named_modules()

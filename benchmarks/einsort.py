@@ -52,7 +52,7 @@ from hf_tensorcomp.decompositions import einsort as es  # noqa: E402
 from hf_tensorcomp.layers import EinSortLinear  # noqa: E402
 from hf_tensorcomp.methods import get_method  # noqa: E402
 from hf_tensorcomp.methods.einsort import activation_scales, save_activation_scales  # noqa: E402
-from hf_tensorcomp.surgery import _context, find_decoder_layers, plan  # noqa: E402
+from hf_tensorcomp.plan import find_decoder_layers, model_context, plan  # noqa: E402
 
 VARIANTS = {  # method options per variant (on top of the shared ones below)
     "plain": {"sort": "none", "nonnegative": False},
@@ -153,7 +153,7 @@ def _bonds(a: es.EinSortTensor) -> list[int]:
 def approximate(model, config: TensorCompressionConfig):
     """Write the compressed weights back densely (for evaluation); returns (restore, per-module stats, seconds)."""
     _, layer_list = find_decoder_layers(model)
-    ctx = _context(model)
+    ctx = model_context(model)
     backups, stats = [], {}
     t0 = time.perf_counter()
     with torch.no_grad():

@@ -87,7 +87,7 @@ def decode_tokens_per_s(model, new_tokens: int = 32, prompt: int = 32) -> float:
 def run(args) -> dict:
     from hf_tensorcomp import TensorCompressionConfig
     from hf_tensorcomp.methods.state_reduction import find_mixers
-    from hf_tensorcomp.surgery import compress_model
+    from hf_tensorcomp.pipeline import compress_model
 
     torch.set_num_threads(args.threads)
     base, tok = load(args.model)

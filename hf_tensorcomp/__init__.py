@@ -5,7 +5,7 @@
     model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)
 """
 
-from . import assets
+from . import assets, hybrid
 from .cache import EinSortCache
 from .config import TensorCompressionConfig
 from .integration import AutoModelForCausalLM, TensorCompQuantizer, compress

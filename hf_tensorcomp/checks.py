@@ -1,6 +1,6 @@
 """The checks every compression and every reload goes through, in one place.
 
-- `check_inputs` / `check_outputs`: around each unit `surgery.compress_model` compresses: dense
+- `check_inputs` / `check_outputs`: around each unit `pipeline.compress_model` compresses: dense
   weights must be finite; every factor a method returns must be finite and every reconstruction
   closer to its weight than the zero matrix is (relative error < 1). A failure names the module, the
   setting and what to try, and stops before anything is saved.
@@ -15,6 +15,8 @@ from torch import nn
 
 from .layers import FactorizedModule
 from .layers.base import _layer_class
+from .methods import get_method
+from .plan import model_context
 
 
 def _setting(entry) -> str:
@@ -75,15 +77,12 @@ def check_loaded(model: nn.Module) -> None:
 def check_specs(model: nn.Module, config, work) -> None:
     """Every saved spec against the model and the config's entries, before any tensor is allocated.
 
-    `work` is `surgery.plan(model, config)`: the units of modules each entry targets. A replaced
+    `work` is `plan.plan(model, config)`: the units of modules each entry targets. A replaced
     module must be one a factorized entry targets, of a layer type that entry's method writes, and
     follow the method's own rules (`Method.check_spec`, which also names the container of shared
     factors the module must read, if any); a new module (shared factors) must be such a container.
     """
-    from .methods import get_method
-    from .surgery import _context
-
-    ctx = _context(model)
+    ctx = model_context(model)
     owner = {}  # full module name -> (entry, full names of its unit), for the entries that keep factors
     for k, names in work:
         entry = config.entries[k]

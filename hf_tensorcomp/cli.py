@@ -271,7 +271,7 @@ def cmd_methods(args) -> int:
 
 
 def cmd_linearize(args) -> int:
-    from .linearize import DEFAULTS, build_hybrid
+    from .hybrid import DEFAULTS, build_hybrid
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:

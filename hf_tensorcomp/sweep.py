@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from .config import TensorCompressionConfig
 from .layers import FactorizedModule
 from .methods import get_method
-from .surgery import _context, find_decoder_layers, fixed_threads, plan
+from .pipeline import fixed_threads
+from .plan import find_decoder_layers, model_context, plan
 
 
 def apply_approximation(model: nn.Module, config: TensorCompressionConfig) -> tuple[Callable[[], None], dict]:
@@ -30,7 +31,7 @@ def apply_approximation(model: nn.Module, config: TensorCompressionConfig) -> tu
     errors, each module's full stats (as `compressed_modules` stats would hold them) and the compression time.
     """
     _, layer_list = find_decoder_layers(model)
-    ctx = _context(model)
+    ctx = model_context(model)
     backups: list[tuple[torch.Tensor, torch.Tensor]] = []
     info = {"factored_params": 0, "dense_params": 0, "rel_errors": {}, "stats": {}, "seconds": 0.0}
     t0 = time.perf_counter()

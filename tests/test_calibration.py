@@ -8,7 +8,7 @@ from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
 from hf_tensorcomp.calibration import LayerwiseRunner, calibration_ids
 from hf_tensorcomp.decompositions.allocation import allocate
 from hf_tensorcomp.decompositions.svd import truncated_svd, whitened_svd, whitening_factor
-from hf_tensorcomp.surgery import find_decoder_layers
+from hf_tensorcomp.plan import find_decoder_layers
 from tiny import ARCHS, VOCAB, rel_err
 
 

@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
-from hf_tensorcomp import surgery
+from hf_tensorcomp import pipeline
+from hf_tensorcomp.plan import plan
 from hf_tensorcomp.checks import check_outputs
 from hf_tensorcomp.methods.einsort import save_activation_scales
 from hf_tensorcomp.config import Entry
@@ -41,7 +42,7 @@ def test_non_finite_dense_weight_refused_naming_module(name, value, tmp_path):
 
 @pytest.fixture
 def meta_llama():
-    with torch.device("meta"):  # what surgery.plan sees before any weight loads
+    with torch.device("meta"):  # what plan sees before any weight loads
         return _tiny("llama")
 
 
@@ -60,7 +61,7 @@ def scales_file(path, vectors):
 ])
 def test_checks_run_before_weights_load(meta_llama, cfg, match):
     with pytest.raises(ValueError, match=match):
-        surgery.plan(meta_llama, TensorCompressionConfig(progress=False, **cfg))
+        plan(meta_llama, TensorCompressionConfig(progress=False, **cfg))
 
 
 def test_activation_scales_checked_before_weights_load(meta_llama, tmp_path):
@@ -75,15 +76,15 @@ def test_activation_scales_checked_before_weights_load(meta_llama, tmp_path):
         cfg = TensorCompressionConfig(method="einsort", rank=4, targets=["mlp.up_proj"], progress=False,
                                       activation_scales=scales_file(tmp_path / f"{case}.safetensors", vectors))
         with pytest.raises(ValueError, match=r"TensorCompressionConfig\.activation_scales: .*" + match):
-            surgery.plan(meta_llama, cfg)
+            plan(meta_llama, cfg)
     bad = tmp_path / "bad.safetensors"
     bad.write_text("not a safetensors file")
     cfg = TensorCompressionConfig(method="einsort", rank=4, targets=["mlp.up_proj"], activation_scales=str(bad), progress=False)
     with pytest.raises(ValueError, match=r"activation_scales: .*allowed: a safetensors file written by save_activation_scales"):
-        surgery.plan(meta_llama, cfg)
+        plan(meta_llama, cfg)
     ok = TensorCompressionConfig(method="einsort", rank=4, targets=["mlp.up_proj"], progress=False,
                                  activation_scales=scales_file(tmp_path / "ok.safetensors", good))
-    assert len(surgery.plan(meta_llama, ok)) == 3
+    assert len(plan(meta_llama, ok)) == 3
 
 
 def test_check_outputs_refuses_nan_factor_and_error_above_one():
@@ -275,7 +276,7 @@ def test_factors_bitwise_identical_across_thread_counts(cfg):
             torch.set_num_threads(threads)
             torch.manual_seed(0)
             m = _tiny("llama")
-            surgery.compress_model(m, TensorCompressionConfig(progress=False, **cfg))
+            pipeline.compress_model(m, TensorCompressionConfig(progress=False, **cfg))
             assert torch.get_num_threads() == threads  # the user's setting is restored
             states.append(m.state_dict())
     finally:
@@ -300,13 +301,13 @@ def test_unsupported_models_refused_before_weights_load():
                                                     intermediate_size=64, vocab_size=101)))
     for m in (gpt2, bert):
         with pytest.raises(ValueError, match=rf"{type(m).__name__}: no decoder-layer list .* supports decoder-only"):
-            surgery.plan(m, cfg)
+            plan(m, cfg)
     moe = _meta(lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
         moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, vocab_size=101)))
     for targets in (["mlp.*"], ["mlp.experts.*"]):  # fused expert tensors are not nn.Linear
         with pytest.raises(ValueError, match=r"targets: pattern\(s\) .* match no Linear module .* allowed: .*self_attn\.q_proj"):
-            surgery.plan(moe, TensorCompressionConfig(method="laser", rank=4, targets=targets, progress=False))
+            plan(moe, TensorCompressionConfig(method="laser", rank=4, targets=targets, progress=False))
 
 
 @torch.no_grad()

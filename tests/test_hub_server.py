@@ -1,4 +1,4 @@
-"""End-to-end tests of the local Hub server (tests/hub_server.py) with the real,
+"""End-to-end tests of the local Hub server (tests/hub_server/) with the real,
 unpatched huggingface_hub / transformers client code.
 
 transformers-level pushes and pulls run in subprocesses configured by ``hub_env``

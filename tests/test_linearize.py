@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_tensorcomp import TensorCompressionConfig
 from hf_tensorcomp.layers import GatedDeltaNetAttention
-from hf_tensorcomp.linearize import distill_logits
+from hf_tensorcomp.hybrid import distill_logits
 from tiny import VOCAB
 
 
@@ -161,7 +161,7 @@ def test_generate_with_first_layer_linear(tiny_dirs, ids):
 
 def test_cli_recipe_parses_and_refuses_a_full_folder(tmp_path, capsys):
     from hf_tensorcomp.cli import build_parser, main
-    from hf_tensorcomp.linearize import DEFAULTS
+    from hf_tensorcomp.hybrid import DEFAULTS
 
     (tmp_path / "x").write_text("")
     recipe_file = str(Path(__file__).parent.parent / "recipes" / "linearize_smollm2.json")

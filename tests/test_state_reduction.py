@@ -245,9 +245,9 @@ def test_bad_settings_fail_at_construction(kw, field):
 
 
 def test_bad_model_or_keep_fails_before_weights_load(dirs, tiny_dirs, monkeypatch):
-    import hf_tensorcomp.surgery as surgery
+    import hf_tensorcomp.pipeline as pipeline
 
-    monkeypatch.setattr(surgery, "compress_model", lambda *a, **k: pytest.fail("compression started"))
+    monkeypatch.setattr(pipeline, "compress_model", lambda *a, **k: pytest.fail("compression started"))
     with pytest.raises(ValueError, match="no linear-attention"):
         load(tiny_dirs["llama"], scorer="l1")
     with pytest.raises(ValueError, match=r"TensorCompressionConfig.keep: got 0.05.*8 key channels"):
@@ -270,7 +270,7 @@ class Wrapped(torch.nn.Module):
 def test_finder_is_structural_a_wrapped_mixer_in_a_llama_is_pruned(ids):
     from types import SimpleNamespace
 
-    from hf_tensorcomp.surgery import compress_model
+    from hf_tensorcomp.pipeline import compress_model
     from tiny import tiny_llama
 
     model = tiny_llama(vocab_size=VOCAB)

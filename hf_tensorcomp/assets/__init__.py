@@ -15,7 +15,7 @@ Cache layout (root: ``$HF_TENSORCOMP_CACHE``, else ``~/.cache/hf_tensorcomp``)::
                                 (config.json, generation_config.json, model.safetensors,
                                 tokenizer files, hf_tensorcomp_source.json)
     models/<name>-gdn-every<k>-seed<s>/
-                                a hybrid linear-attention model built from it (``linearized_path``:
+                                a hybrid linear-attention model built from it (``hf_tensorcomp.hybrid.linearized_path``:
                                 every k-th attention layer -> Gated DeltaNet, distilled; model card
                                 README.md and linearize_report.json inside)
 
@@ -62,7 +62,7 @@ and ``bigbench``; everything public is re-exported here.
 
 from ._common import CACHE_ENV, cache_dir
 from .bigbench import BIGBENCH_PROMPTS, load_bigbench_task
-from .models import MODELS, gguf_path, hub_id, linearized_path, load_gguf, load_model, model_path
+from .models import MODELS, gguf_path, hub_id, load_gguf, load_model, model_path
 from .pypi import download_sdist, download_wheel
 from .text import TEXT_SOURCES, TEXT_SPLITS, load_text
 
@@ -76,7 +76,6 @@ __all__ = [
     "download_wheel",
     "gguf_path",
     "hub_id",
-    "linearized_path",
     "load_gguf",
     "model_path",
     "load_model",

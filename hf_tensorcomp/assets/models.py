@@ -191,26 +191,3 @@ def load_model(name: str = "smollm2", dtype=None, **kwargs):
     )
     model.eval()
     return model, AutoTokenizer.from_pretrained(path)
-
-
-def linearized_path(name: str = "smollm2", every: int = 3, seed: int = 0, **options) -> Path:
-    """Folder of a hybrid linear-attention model made from a bundled model, building it on first use.
-
-    Every ``every``-th decoder layer's self-attention replaced by a Gated DeltaNet layer distilled on the
-    Wikipedia calibration split (`hf_tensorcomp.linearize.build_hybrid` with its ``DEFAULTS``; other
-    ``options`` of it are passed on and named in the folder). Cached as ``<cache>/models/<name>-gdn-every<k>-seed<s>``
-    (plus the non-default options), written atomically; about 15-25 min on 2 CPU cores the first time.
-    Loading it needs ``import hf_tensorcomp`` (the Gated DeltaNet layers are rebuilt by its quantizer).
-    """
-    from ..linearize import DEFAULTS, build_hybrid
-
-    spec = _spec(name)
-    unknown = sorted(set(options) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"linearized_path: unknown option(s) {unknown}; allowed: {sorted(set(DEFAULTS) - {'every', 'seed'})}")
-    extra = "".join(f"-{k.replace('_', '')}{v}" for k, v in sorted(options.items()) if v != DEFAULTS[k])
-    out = cache_dir() / "models" / f"{spec.aliases[0]}-gdn-every{every}-seed{seed}{extra}"
-    if not (out / "config.json").is_file():
-        _note(f"building the hybrid linear-attention model {out.name} (one time; see hf_tensorcomp.linearize) ...")
-        build_hybrid(spec.aliases[0], out, every=every, seed=seed, **options)
-    return out

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 
-from .. import checks, surgery
+from .. import checks, pipeline, surgery
+from ..plan import plan
 from .io import make_save_atomic
 from ..config import QUANT_METHOD, TensorCompressionConfig
 from ..methods import get_method
@@ -51,7 +52,7 @@ class TensorCompQuantizer(HfQuantizer):
             checks.check_checkpoint_tensors(model, self.quantization_config.compressed_modules,
                                             kwargs.get("checkpoint_files"))
         else:
-            self._work = surgery.plan(model, self.quantization_config)
+            self._work = plan(model, self.quantization_config)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -93,7 +94,7 @@ class TensorCompQuantizer(HfQuantizer):
 
 
 def _compressed(model, cfg: TensorCompressionConfig, work=None) -> None:
-    surgery.compress_model(model, cfg, work)
+    pipeline.compress_model(model, cfg, work)
     model.add_model_tags(["hf_tensorcomp"] + [f"tensorcomp-{e.method}" for e in cfg.entries])
     # the record of this compression, for the session's model card / report (a structural result saves none)
     model.tensorcomp_config, model.tensorcomp_stats = cfg, cfg.stats
@@ -127,7 +128,7 @@ def compress(model, config: TensorCompressionConfig):
     if held is not None and not isinstance(held, TensorCompQuantizer):
         raise ValueError(f"hf_tensorcomp.compress: the model is quantized with {type(held).__name__}; allowed: a dense "
                          "model or one compressed by hf_tensorcomp")
-    _compressed(model, config, surgery.plan(model, config))
+    _compressed(model, config, plan(model, config))
     if held is not None:
         prior = held.quantization_config
         if not all(get_method(e.method).structural for e in config.entries):

@@ -93,7 +93,7 @@ class Method:
     #: True when the method leaves ordinary transformers modules (a smaller config, no factored
     #: module): a model compressed only by such methods is saved as a plain transformers checkpoint
     structural: bool = False
-    #: the error `surgery.plan` raises when no module of the model is a target (None: the generic one)
+    #: the error `plan.plan` raises when no module of the model is a target (None: the generic one)
     no_target_error: str | None = None
 
     def is_target(self, module: nn.Module) -> bool:
@@ -159,7 +159,7 @@ class Method:
         """Raise ValueError if a saved `spec` for module `name` is not what this method writes for `entry`.
 
         `unit`: {full name: the dense module it replaces (on meta)} for the modules compressed together
-        with `name` (one unit of `surgery.plan`), in compression order.
+        with `name` (one unit of `plan.plan`), in compression order.
 
         Returns the full name of the shared-factors container the module reads, or None.
         """

@@ -17,7 +17,7 @@ Which layers: ``layers=[...]`` if given, else every ``every``-th layer counting 
 checkpoint is the original model with those ``self_attn`` modules swapped; its config records each
 layer's Gated DeltaNet layout (``compressed_modules``), so ``from_pretrained`` with hf_tensorcomp
 imported rebuilds them. A short end-to-end distillation of the new layers (KL on the dense model's
-logits) is a separate step: `hf_tensorcomp.linearize.distill_logits`, run by ``hf-tensorcomp linearize``.
+logits) is a separate step: `hf_tensorcomp.hybrid.distill_logits`, run by ``hf-tensorcomp linearize``.
 
 Calibration contract: ``needs(entry) == {"calls"}``: ``ctx.stats[name].calls`` holds, per calibration
 batch, the block's (args, kwargs, output); the input is ``kwargs["hidden_states"]`` (or ``args[0]``).

@@ -11,7 +11,7 @@
    calibrated benchmark uses: 512-token windows, stride 512, ``eval_tokens`` tokens);
 4. saved atomically with a model card saying how it was made and what it scores.
 
-The bundled hybrid (`hf_tensorcomp.assets.linearized_path`) is this with `DEFAULTS`, cached under
+The bundled hybrid (`linearized_path`) is this with `DEFAULTS`, cached under
 ``<cache>/models/<model>-gdn-every<k>-seed<s>/`` and never committed.
 """
 
@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .assets._common import _note, cache_dir
+from .assets.models import _spec
 from .layers import GatedDeltaNetAttention
 from .training import lr_schedule
 from .validation import fail, is_int
@@ -99,7 +101,8 @@ def build_hybrid(model: str = "smollm2", out=None, progress: bool = True, **opti
     """
     import transformers
 
-    from . import TensorCompressionConfig, write_model_card
+    from .config import TensorCompressionConfig
+    from .integration.hub import write_model_card
     from .calibration import calibration_ids
     from .integration.io import atomic_dir
 
@@ -189,3 +192,24 @@ def _how_made(r: dict) -> str:
                   f"{r['distill_seconds']} s."]
     lines += ["", f"Total build time (including evaluation): {r['build_seconds']} s on CPU.", ""]
     return "\n".join(lines)
+
+
+def linearized_path(name: str = "smollm2", every: int = 3, seed: int = 0, **options) -> Path:
+    """Folder of a hybrid linear-attention model made from a bundled model, building it on first use.
+
+    Every ``every``-th decoder layer's self-attention replaced by a Gated DeltaNet layer distilled on the
+    Wikipedia calibration split (`build_hybrid` with its ``DEFAULTS``; other
+    ``options`` of it are passed on and named in the folder). Cached as ``<cache>/models/<name>-gdn-every<k>-seed<s>``
+    (plus the non-default options), written atomically; about 15-25 min on 2 CPU cores the first time.
+    Loading it needs ``import hf_tensorcomp`` (the Gated DeltaNet layers are rebuilt by its quantizer).
+    """
+    spec = _spec(name)
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"linearized_path: unknown option(s) {unknown}; allowed: {sorted(set(DEFAULTS) - {'every', 'seed'})}")
+    extra = "".join(f"-{k.replace('_', '')}{v}" for k, v in sorted(options.items()) if v != DEFAULTS[k])
+    out = cache_dir() / "models" / f"{spec.aliases[0]}-gdn-every{every}-seed{seed}{extra}"
+    if not (out / "config.json").is_file():
+        _note(f"building the hybrid linear-attention model {out.name} (one time; see hf_tensorcomp.hybrid) ...")
+        build_hybrid(spec.aliases[0], out, every=every, seed=seed, **options)
+    return out

@@ -1,0 +1,241 @@
+"""The compression pipeline, in one place: plan -> calibrate -> allocate -> compress layer by layer -> check -> record.
+
+`compress_model` is the one path every compression takes (``from_pretrained(quantization_config=)``,
+`hf_tensorcomp.compress`, the CLI). Its stages:
+
+1. **plan** (`hf_tensorcomp.plan.plan`): every entry validated against the model; the units of modules.
+2. **calibrate** (`hf_tensorcomp.calibration`): when a method needs data, the calibration token ids and
+   a `LayerwiseRunner` holding the first decoder layer's inputs; sensitivities (Fisher, weight
+   gradients) from one backward pass of the dense model, before anything changes.
+3. **allocate**: entries with a global ``target`` get every module's rung of its method's ladder.
+4. **compress**: unit by unit (layer by layer with calibration, outputs propagated to the next layer),
+   each unit checked before and after (`hf_tensorcomp.checks`) and put in place by `hf_tensorcomp.surgery`
+   (module replacement only); then each method's whole-model `finish` step.
+5. **record**: ``config.compressed_modules`` and ``config.stats`` describe the model as it now is.
+
+Methods only turn statistics into modules; surgery only replaces modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import replace
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import checks
+from .calibration.data import describe, is_token_ids
+from .config import TensorCompressionConfig
+from .layers import FactorizedModule
+from .methods import get_method
+from .plan import find_decoder_layers, model_context, plan
+from .surgery import factored_specs, set_module
+
+
+@contextlib.contextmanager
+def fixed_threads():
+    """Run decompositions on a fixed number of CPU threads (env ``HF_TENSORCOMP_THREADS``, default 1).
+
+    The float sums inside SVD, CP-ALS and HOOI are split by thread, and the iterative ones amplify the
+    difference (TRAWL Tucker factors differed by 1.5e-2 between 1 and 2 threads), so a fixed count is
+    what makes the same seed give bitwise identical factors whatever ``torch.set_num_threads`` says.
+    """
+    value = os.environ.get("HF_TENSORCOMP_THREADS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"HF_TENSORCOMP_THREADS: got {value!r}; allowed: an int >= 1 (CPU threads for decompositions)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(value))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None) -> dict:
+    """Compress in place, one unit of layers at a time (peak memory: the model plus one unit's factors).
+
+    Runs the stages in the module docstring. Fills ``config.compressed_modules`` (factored modules)
+    and ``config.stats``, and returns the stats.
+    """
+    work = plan(model, config) if work is None else work  # 1. plan
+    prefix, layer_list = find_decoder_layers(model)
+    params_before = sum(p.numel() for p in model.parameters())
+    t0 = time.perf_counter()
+    methods = [get_method(e.method) for e in config.entries]
+    runner = calibrate(model, config, work, methods)  # 2. calibrate
+    allocation = allocate(config, work, methods, layer_list, runner)  # 3. allocate
+    module_stats = compress_units(model, config, work, methods, runner, allocation)  # 4. compress + check
+    finished = {}
+    ctx = model_context(model)
+    for k, entry in enumerate(config.entries):  # a method's whole-model step after its units (e.g. recovery)
+        done = methods[k].finish(model, entry, ctx, runner)
+        if done:
+            finished[str(k)] = done
+    return record(model, config, params_before, time.perf_counter() - t0, module_stats, finished, runner, allocation)  # 5.
+
+
+def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods):
+    """Stage 2: a `LayerwiseRunner` over the calibration text when any entry needs data (for its
+    units, or for its global allocation), with the dense model's sensitivities attached; else None."""
+    entries = config.entries
+    needs = [m.needs(e) for m, e in zip(methods, entries)]
+    ladder = [m.ladder_needs(e) if m.allocates(e) else frozenset() for m, e in zip(methods, entries)]
+    if not any(needs) and not any(ladder):
+        return None
+    from .calibration import LayerwiseRunner, calibration_ids
+
+    prefix, layer_list = find_decoder_layers(model)
+    ids = calibration_ids(config.calibration, _calibration_tokenizer(model, config), config.calibration_samples,
+                          config.calibration_length, config.calibration_seed)
+    runner = LayerwiseRunner(model, prefix, layer_list, ids, config.calibration_batch_size)
+    sensitive = [n for k, names in work for n in names if "fisher" in needs[k] | ladder[k]]
+    if sensitive:  # one backward pass of the dense model, before anything changes
+        from .calibration.sensitivity import output_fisher
+
+        runner.fisher = output_fisher(model, layer_list, sensitive, runner.ids)
+    graded = [n for k, names in work for n in names if "weight_grad" in needs[k]]
+    if graded:  # the loss gradient of the dense model's weights, before anything changes
+        from .calibration.sensitivity import weight_gradients
+
+        runner.weight_grad = weight_gradients(model, layer_list, graded, runner.ids)
+    return runner
+
+
+def compress_units(model: nn.Module, config: TensorCompressionConfig, work, methods, runner, allocation) -> dict:
+    """Stage 4: every unit compressed, checked and put in place; layer by layer with calibration.
+
+    A unit is compressed once its last layer's statistics are in; with ``config.propagate`` the
+    next layer sees the compressed layer's outputs. Returns {full module name: its stats}.
+    """
+    prefix, layer_list = find_decoder_layers(model)
+    ctx = model_context(model)
+    needs = [m.needs(e) for m, e in zip(methods, config.entries)]
+    module_stats = {}
+
+    def compress_unit(k, names, stats):
+        entry = config.entries[k]
+        unit_ctx = replace(ctx, stats=stats, ranks=allocation.get(k, {}).get("rungs"), layers=layer_list)
+        mods = {n: layer_list.get_submodule(n) for n in names}
+        checks.check_inputs(mods, prefix)
+        with fixed_threads():
+            result = methods[k].compress(mods, entry, unit_ctx)
+        checks.check_outputs(result, mods, prefix, entry, methods[k].remedy)
+        for name, (new, st) in result.items():
+            if entry.mode == "dense" and isinstance(new, FactorizedModule):
+                new = new.to_dense()  # None for containers of shared factors: nothing to add
+                if new is None:
+                    continue
+            set_module(layer_list, name, new)
+            module_stats[f"{prefix}.{name}"] = {"method": entry.method, **st}
+
+    if runner is None:
+        for k, names in tqdm(work, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="unit"):
+            compress_unit(k, names, None)
+        return module_stats
+    by_last: dict[int, list] = {}
+    for k, names in work:
+        by_last.setdefault(max(_layer_of(n) for n in names), []).append((k, names))
+    wanted = _by_layer({n: needs[k] for k, names in work if needs[k] for n in names})
+    pending: dict = {}
+
+    def on_layer(li, stats):
+        pending.update(stats)
+        for k, names in by_last.get(li, []):
+            compress_unit(k, names, {n: pending.pop(n) for n in names if n in pending} if needs[k] else None)
+        return li in by_last
+
+    runner.run(wanted, on_layer, last=max(by_last), propagate=config.propagate, progress=config.progress)
+    return module_stats
+
+
+def record(model: nn.Module, config: TensorCompressionConfig, params_before: int, seconds: float, module_stats: dict,
+           finished: dict, runner, allocation: dict) -> dict:
+    """Stage 5: ``config.compressed_modules`` and ``config.stats`` describe the model as it now is."""
+    config.compressed_modules = factored_specs(model)
+    config.stats = {
+        "params_before": params_before,
+        "params_after": sum(p.numel() for p in model.parameters()),
+        "compress_seconds": round(seconds, 3),
+        "modules": module_stats,
+    }
+    if finished:
+        config.stats["finish"] = finished  # {entry index: what its method's whole-model step reports}
+    if runner is not None:
+        config.stats["calibration"] = {"samples": sum(h.shape[0] for h in runner.hidden),
+                                       "tokens": runner.n_tokens, "propagate": config.propagate,
+                                       "data": describe(config.calibration)}
+    if allocation:
+        config.stats["allocation"] = {str(k): {key: v for key, v in a.items() if key != "rungs"} for k, a in allocation.items()}
+    return config.stats
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".", 1)[0])
+
+
+def _by_layer(kinds: dict[str, frozenset]) -> dict[int, dict[str, frozenset]]:
+    """{module name: statistics} grouped by decoder layer, the shape `LayerwiseRunner.run` takes."""
+    out: dict[int, dict[str, frozenset]] = {}
+    for n, k in kinds.items():
+        out.setdefault(_layer_of(n), {})[n] = k
+    return out
+
+
+def _calibration_tokenizer(model: nn.Module, config: TensorCompressionConfig):
+    """The tokenizer for calibration texts: the config's (object or path), else the model's own folder's."""
+    tok = config.calibration_tokenizer
+    if tok is not None and not isinstance(tok, str):
+        return tok
+    if is_token_ids(config.calibration):
+        return None
+    from transformers import AutoTokenizer
+
+    src = tok or getattr(model, "name_or_path", None)
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # noqa: BLE001 - any failure means: tell the user how to pass one
+        raise ValueError(f"TensorCompressionConfig.calibration_tokenizer: no tokenizer could be loaded from {src!r} ({e}); "
+                         "allowed: a tokenizer object or path, or token ids as calibration") from None
+
+
+def allocate(config, work, methods, layer_list, runner) -> dict[int, dict]:
+    """Stage 3: per entry with a global `target`, the rung of every module's ladder, meeting the budget."""
+    from .decompositions.allocation import allocate as allocate_rungs
+
+    out = {}
+    for k, entry in enumerate(config.entries):
+        m = methods[k]
+        if not m.allocates(entry):
+            continue
+        names = [n for kk, ns in work if kk == k for n in ns]
+        ladders = {}
+        kinds = m.ladder_needs(entry)
+        if kinds:
+            wanted = _by_layer({n: kinds for n in names})
+
+            def on_layer(li, stats):
+                for n, st in stats.items():
+                    ladders[n] = m.ladder(n, layer_list.get_submodule(n), st, entry)
+                return False
+
+            runner.run(wanted, on_layer, last=max(wanted), propagate=False, progress=config.progress,
+                       desc=f"hf_tensorcomp: allocating {entry.method} target={entry.target}")
+        else:
+            ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry) for n in names}
+        total = sum(layer_list.get_submodule(n).weight.numel() for n in names)
+        budget = entry.target * total
+        try:
+            rungs = allocate_rungs(ladders, budget)
+        except ValueError as e:
+            raise ValueError(f"TensorCompressionConfig.target: got {entry.target}; {e}; allowed: a larger target") from None
+        spent = sum(ladders[n][0][j] for n, j in rungs.items())
+        out[k] = {"rungs": rungs, "target": entry.target, "params_targeted": total, "params_kept": spent,
+                  "kept_fraction": round(spent / total, 6),
+                  "kept_dense": sorted(f"{n}" for n, j in rungs.items() if j == len(ladders[n][0]) - 1)}
+    return out
+
+

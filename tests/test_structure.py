@@ -1,0 +1,103 @@
+"""The package's shape: no import circles (module-level or lazy, function-level imports alike)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hf_tensorcomp
+
+ROOT = Path(hf_tensorcomp.__file__).parent
+PKG = "hf_tensorcomp"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: modules of this package it imports anywhere in its body}; ``from . import x`` points
+    at submodule ``x`` when there is one, else at the package itself."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, is_pkg, node)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                while t and t not in mods and "." in t:
+                    t = t.rpartition(".")[0]
+                if t in mods and t.startswith(PKG) and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_graph_sees_lazy_imports():
+    graph = import_graph()
+    assert "hf_tensorcomp.plan" in graph["hf_tensorcomp.pipeline"]
+    assert "hf_tensorcomp.calibration" in graph["hf_tensorcomp.pipeline"]  # imported inside a function
+
+
+def test_no_import_circles():
+    """Package ``__init__`` files that re-export their submodules are left out: importing a submodule
+    runs its package first, which is how Python works, not a circle in the design."""
+    graph = import_graph()
+    inits = {m for m, p in _modules().items() if p.name == "__init__.py"}
+    pruned = {m: {t for t in ts if t not in inits or not m.startswith(t + ".")} for m, ts in graph.items()}
+    assert cycles(pruned) == []
