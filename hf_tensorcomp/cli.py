@@ -29,11 +29,24 @@ TEXT_SOURCES = ("wikipedia", "owt")
 
 
 def _resolve(model: str) -> str:
+    """A bundled name's folder; a folder as is; else a Hub repo id (a path that does not exist is refused)."""
     if model in BUNDLED:
         from . import assets
 
         return str(assets.model_path(model))
+    if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
+                                     or os.path.exists(model)):
+        raise ValueError(f"model: {model}: no such model folder; allowed: a folder holding a model, a Hub repo id, "
+                         f"or {' | '.join(BUNDLED)}")
     return model
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """``--out``: a new or empty folder, or an existing folder with ``--overwrite`` (never a file)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} is a file; allowed: a new, empty or model folder")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--out: {out} exists and is not empty; allowed: a new or empty folder, or pass --overwrite")
 
 
 def _base_model(model: str) -> str | None:
@@ -118,12 +131,14 @@ def cmd_compress(args) -> int:
                                   calibration_length=args.calibration_length, propagate=not args.no_propagate,
                                   **dict(args.option or []))
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        print(f"--out: {out} exists and is not empty; allowed: a new or empty folder, or pass --overwrite", file=sys.stderr)
-        return 2
+    _check_out(out, args.overwrite)
     src = _resolve(args.model)
     dtype = getattr(torch, args.dtype)
-    tok = transformers.AutoTokenizer.from_pretrained(src)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model: {args.model}: no tokenizer could be loaded ({str(e).splitlines()[0]}); allowed: a folder "
+                         f"holding a model and its tokenizer, a reachable Hub repo id, or {' | '.join(BUNDLED)}") from None
     report = {"model": args.model, "config": cfg.to_dict()["entries"]}
     if not args.no_eval:
         dense = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
@@ -171,7 +186,7 @@ def _write_out(out: Path, overwrite: bool, model, tok, results, base_model, repo
             tok.save_pretrained(tmp)
             write_model_card(model, tmp, results, base_model=base_model, repo_id=repo_id)
     except FileExistsError as e:
-        print(f"--out: {e}; nothing was written", file=sys.stderr)
+        print(f"hf-tensorcomp: error: --out: {e}; nothing was written", file=sys.stderr)
         return False
     return True
 
@@ -274,9 +289,7 @@ def cmd_linearize(args) -> int:
     from .hybrid import DEFAULTS, build_hybrid
 
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        print(f"--out: {out} exists and is not empty; allowed: a new or empty folder, or pass --overwrite", file=sys.stderr)
-        return 2
+    _check_out(out, args.overwrite)
     options = {k: getattr(args, k) for k in DEFAULTS}
     options["calibration"] = _calibration(options["calibration"])
     _, report = build_hybrid(args.model, out, progress=not args.quiet, **options)
@@ -378,12 +391,22 @@ def _apply_recipe(parser: argparse.ArgumentParser, argv) -> None:
     known, _ = pre.parse_known_args(argv)
     if not known.recipe:
         return
-    recipe = json.loads(Path(known.recipe).read_text())
+    try:
+        recipe = json.loads(Path(known.recipe).read_text())
+    except OSError as e:
+        raise ValueError(f"--recipe {known.recipe}: cannot be read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--recipe {known.recipe}: not valid JSON ({e})") from None
+    if not isinstance(recipe, dict):
+        raise ValueError(f"--recipe {known.recipe}: got a JSON {type(recipe).__name__}; allowed: a JSON object of options")
+    if not isinstance(recipe.get("option", {}), dict):
+        raise ValueError(f"--recipe {known.recipe}: \"option\" is a {type(recipe['option']).__name__}; allowed: an object "
+                         "of method options, e.g. {\"whiten\": true}")
     compress = parser._subparsers._group_actions[0].choices[known.command]
     allowed = {a.dest for a in compress._actions} - {"help", "recipe"}
     unknown = sorted(set(recipe) - allowed - {"description"})
     if unknown:
-        raise SystemExit(f"hf-tensorcomp: error: --recipe {known.recipe}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        raise ValueError(f"--recipe {known.recipe}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
     recipe.pop("description", None)
     if "option" in recipe:
         recipe["option"] = list(recipe["option"].items())
@@ -393,12 +416,12 @@ def _apply_recipe(parser: argparse.ArgumentParser, argv) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    _apply_recipe(parser, argv)
-    args = parser.parse_args(argv)
     try:
+        _apply_recipe(parser, argv)
+        args = parser.parse_args(argv)
         return args.func(args)
     except ValueError as err:  # configuration errors: one clear line, nothing written
-        print(f"hf-tensorcomp: error: {err}", file=sys.stderr)
+        print(f"hf-tensorcomp: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
 

@@ -11,6 +11,7 @@ import fnmatch
 from torch import nn
 
 from .config import TensorCompressionConfig
+from .layers import FactorizedModule
 from .methods import get_method
 from .methods.base import Context
 
@@ -62,9 +63,14 @@ def plan(model: nn.Module, config: TensorCompressionConfig, check_units: bool = 
         method = get_method(entry.method)
         matched_any = {t: False for t in entry.targets}
         per_layer: dict[int, list[str]] = {}
+        done: list[str] = []
         for li in resolve_layers(entry.layers, len(layer_list)):
+            factored = [n for n, m in layer_list[li].named_modules() if isinstance(m, FactorizedModule)]
             for name, mod in layer_list[li].named_modules():
                 hits = [t for t in entry.targets if name and fnmatch.fnmatchcase(name, t)]
+                if hits and not method.structural and any(name == f or name.startswith(f + ".") for f in factored):
+                    done.append(f"{prefix}.{li}.{name}")
+                    continue
                 if not hits or not method.is_target(mod):
                     continue
                 for t in hits:
@@ -77,6 +83,11 @@ def plan(model: nn.Module, config: TensorCompressionConfig, check_units: bool = 
                     )
                 claimed[full] = k
                 per_layer.setdefault(li, []).append(f"{li}.{name}")
+        if done:  # what a compression made is not compressed again: refused before anything changes
+            raise ValueError(
+                f"TensorCompressionConfig.targets: {entry.targets} reach {len(done)} module(s) already compressed by "
+                f"hf_tensorcomp (e.g. {done[:3]}); allowed: modules that are still dense (narrow targets= or layers=); "
+                "compressing a compressed module again is not supported")
         missing = [t for t, hit in matched_any.items() if not hit]
         if missing and method.no_target_error is not None and not any(matched_any.values()):
             raise ValueError(method.no_target_error)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 import hf_tensorcomp  # noqa: F401  (registers the quantizer)
 from tiny import ARCHS, VOCAB, _tiny
@@ -43,3 +46,17 @@ def smollm2():
 def gemma3():
     """The real Gemma-3-270M and its tokenizer, loaded once per session: read it, never change it."""
     return _real("gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_with_tokenizer(tiny_dirs, tmp_path_factory):
+    """The tiny Llama with a word-level tokenizer, so the CLI can run on it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = tmp_path_factory.mktemp("tok-llama")
+    for p in Path(tiny_dirs["llama"]).iterdir():
+        (d / p.name).write_bytes(p.read_bytes())
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)} | {"[UNK]": 100}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(d)
+    return d

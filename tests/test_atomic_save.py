@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
 
 from hf_tensorcomp import TensorCompressionConfig
 from hf_tensorcomp.integration.io import TAG, atomic_dir
@@ -101,18 +101,6 @@ def test_atomic_dir_refuses_to_replace_without_overwrite(tmp_path):
     assert (out / "a").read_text() == "first" and not hidden(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tiny_dirs, tmp_path_factory):
-    """The tiny Llama with a word-level tokenizer, so the CLI can run on it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    d = tmp_path_factory.mktemp("tok-llama")
-    for p in Path(tiny_dirs["llama"]).iterdir():
-        (d / p.name).write_bytes(p.read_bytes())
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)} | {"[UNK]": 100}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(d)
-    return d
 
 
 def cli_argv(src, out, rank, *extra):

@@ -96,6 +96,10 @@ def calibration_ids(value: Any, tokenizer, samples: int, length: int, seed: int)
         texts = value
     else:
         texts = list(value["text"])
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise ValueError(f"TensorCompressionConfig.calibration: row {bad} of the Dataset's 'text' column is "
+                             f"{type(texts[bad]).__name__}; allowed: a string in every row (filter the empty ones out)")
     from ..eval.perplexity import bos_prefix
 
     ids = tokenizer("\n\n".join(t for t in texts if t.strip()), add_special_tokens=False, verbose=False)["input_ids"]

@@ -39,6 +39,7 @@ class LayerwiseRunner:
         #: {module name: per-output-channel Fisher} from `sensitivity.output_fisher`, attached to every
         #: statistic of that module the runner hands out (computed once, on the dense model)
         self.fisher: dict[str, torch.Tensor] = {}
+        self.fisher_fallback: list[str] = []  # modules whose Fisher is the fallback (see `output_fisher`)
         #: {module name: the loss gradient of its weight} from `sensitivity.weight_gradients`, likewise
         self.weight_grad: dict[str, torch.Tensor] = {}
         base = model.get_submodule(prefix.rpartition(".")[0])  # the decoder stack: embeddings, layers, norm
@@ -71,6 +72,9 @@ class LayerwiseRunner:
             if len(calls) != len(layers):
                 raise RuntimeError(f"hf_tensorcomp calibration: {len(calls)} of {len(layers)} decoder layers were called")
             self.kwargs.append(calls)
+        if not all(bool(torch.isfinite(h).all()) for h in self.hidden):
+            raise ValueError("hf_tensorcomp calibration: the embeddings of the calibration tokens are not finite (Inf/NaN); "
+                             "check the model's input embedding weights")
 
     @property
     def n_tokens(self) -> int:
@@ -81,6 +85,13 @@ class LayerwiseRunner:
         with torch.no_grad():
             out = [layer(h, **kw[li]) for h, kw in zip(hidden, self.kwargs)]
         return [o[0] if isinstance(o, tuple) else o for o in out]
+
+    def _check_finite(self, li: int, out: list[torch.Tensor], when: str) -> None:
+        """Stop at the first decoder layer whose outputs are not finite (its inputs were), naming it."""
+        if not all(bool(torch.isfinite(o).all()) for o in out):
+            raise ValueError(f"hf_tensorcomp calibration: the outputs of decoder layer {li} ({self.prefix}.{li}){when} are "
+                             "not finite (Inf/NaN) on the calibration batch, its inputs were; check that layer's weights "
+                             "and the model's dtype (float16 overflows where bfloat16 / float32 do not)")
 
     def run(
         self,
@@ -111,6 +122,7 @@ class LayerwiseRunner:
                 out = self._forward(li, hidden)
             finally:
                 stats = hooks.close()
+            self._check_finite(li, out, "")
             for n, st in stats.items():
                 st.kinds = wanted[li][n]
                 st.fisher = self.fisher.get(n)
@@ -119,6 +131,7 @@ class LayerwiseRunner:
             del stats
             if changed and propagate and li < last:
                 out = self._forward(li, hidden)
+                self._check_finite(li, out, " once compressed")
             hidden = out
             if paired:
                 dense = dense_out

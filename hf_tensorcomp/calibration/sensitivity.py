@@ -9,14 +9,22 @@ of different matrices in one unit, the loss, so a global budget can trade them a
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 
 def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str], ids: torch.Tensor,
-                  batch_size: int = 2) -> dict[str, float]:
-    """``{name: f_m}`` (float64 vectors over output channels) for modules named relative to the
-    decoder-layer list (``"3.mlp.down_proj"``)."""
+                  prefix: str = "layers", batch_size: int = 2) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``({name: f_m}, fallback)``: float64 vectors over output channels for modules named relative to
+    the decoder-layer list (``"3.mlp.down_proj"``), and the full names of the modules that fell back.
+
+    Fallback: a module whose outputs get no gradient at all on this data (its output does not reach
+    the loss, e.g. behind a zeroed projection) would weigh every error by zero and divide by zero in
+    the allocation; it gets the mean Fisher of the other modules on every channel instead (its error
+    counts like an average module's), with a warning. If no module gets a gradient: a ValueError.
+    """
     acc = {n: 0.0 for n in names}
     count = {n: 0 for n in names}
     handles = []
@@ -40,7 +48,20 @@ def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str],
     finally:
         for h in handles:
             h.remove()
-    return {n: acc[n] / max(count[n], 1) for n in names}
+    fisher = {n: acc[n] / count[n] for n in names if count[n] and bool((acc[n] > 0).any())}
+    zero = [n for n in names if n not in fisher]
+    if not zero:
+        return fisher, []
+    if not fisher:
+        raise ValueError("TensorCompressionConfig.weighting: the loss gradient of every targeted module's output is zero on "
+                         "the calibration data; allowed: other calibration data, or weighting=None with allocation='relative'")
+    mean = float(sum(f.mean() for f in fisher.values()) / len(fisher))
+    full = [f"{prefix}.{n}" for n in zero]
+    warnings.warn(f"hf_tensorcomp: Fisher weighting: the outputs of {full} get no loss gradient on the calibration data; "
+                  "they are weighted by the mean Fisher of the other modules instead", stacklevel=2)
+    for n in zero:
+        fisher[n] = torch.full((layer_list.get_submodule(n).weight.shape[0],), mean, dtype=torch.float64)
+    return fisher, full
 
 
 def weight_gradients(model: nn.Module, layer_list: nn.ModuleList, names: list[str], ids: torch.Tensor,

@@ -1,10 +1,11 @@
 """Atomic folder writes: a checkpoint folder is either the old one or the complete new one, never a mix.
 
 `atomic_dir` hands out a temporary sibling folder (``.NAME.hf_tensorcomp-tmp-PID-XXXX``), and when
-the block completes swaps it into place under an exclusive lock on the parent folder: on Linux by
-one ``renameat2(RENAME_EXCHANGE)``, elsewhere by two renames. A save killed before the swap leaves
-the old folder untouched; its temporary folder is removed by the next write beside it (its process
-is gone). Two writers racing into one folder each produce a whole folder; with ``overwrite=False``
+the block completes puts it in place under an exclusive lock on the parent folder: a new folder in one
+rename; into an existing one, only the files the save wrote, each in one rename (weights, then the
+index, then configs), so that a ``.git`` or a user's files beside a checkpoint are never touched. A
+save killed before that step leaves the old folder untouched; its temporary folder is removed by the
+next write beside it (its process is gone). Two writers racing into one folder each produce a whole folder; with ``overwrite=False``
 the second one fails instead of replacing the first.
 
 `make_save_atomic` routes a model's ``save_pretrained`` through `atomic_dir` (the quantizer does it
@@ -14,16 +15,14 @@ for every model it compresses or reloads).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import secrets
 import shutil
+import sys
 import types
 from pathlib import Path
 
 TAG = ".hf_tensorcomp-tmp-"
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
 #: files `save_pretrained` writes or deletes itself; the others in an existing folder are kept
 _REWRITTEN = ("config.json", "generation_config.json", "model.safetensors.index.json")
 
@@ -62,48 +61,50 @@ def _locked(folder: Path):
         os.close(fd)  # releases the lock
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2); False where the call is not available."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the file system cannot; fall back
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
 def _is_weight_file(name: str) -> bool:
     return name in _REWRITTEN or (name.startswith(("model", "pytorch_model")) and name.endswith((".safetensors", ".bin")))
 
 
+def _write_order(name: str) -> tuple[int, str]:
+    """Weights first, then the weight index, then configs: a reader that finds the new config finds its weights."""
+    return (2 if name.endswith(".json") and "config" in name else 1 if name.endswith(".index.json") else 0, name)
+
+
+def _merge_into(tmp: Path, target: Path) -> None:
+    """Move what `tmp` holds into the existing folder `target`, entry by entry (each an atomic rename);
+    remove the weight files of an earlier save that this one did not write; leave everything else."""
+    written = {p.name for p in tmp.iterdir()}
+    for name in sorted(written, key=_write_order):
+        src, dst = tmp / name, target / name
+        if src.is_dir() and dst.is_dir():
+            shutil.rmtree(dst)
+        os.replace(src, dst)
+    for p in target.iterdir():
+        if p.is_file() and _is_weight_file(p.name) and p.name not in written:
+            p.unlink()  # a stale shard of an earlier save (save_pretrained removes these itself)
+
+
 @contextlib.contextmanager
-def atomic_dir(target, overwrite: bool = True, keep_existing: bool = False):
-    """Yield a temporary folder; on success it replaces `target` as a whole.
+def atomic_dir(target, overwrite: bool = True):
+    """Yield a temporary folder; on success its content is put in place at `target`.
+
+    A new or empty `target` becomes the temporary folder in one rename: whole or absent. Into an
+    existing folder (with ``overwrite``) only the entries the block wrote are replaced, each in one
+    rename, weights before configs, under the lock; the rest of the folder (a ``.git``, a user's
+    files) is not touched, and weight files of an earlier save that this one did not write are removed.
 
     overwrite: if False and `target` exists and is not empty at the swap, raise FileExistsError
         (checked under the lock, so of two racing writers exactly one succeeds).
-    keep_existing: start the temporary folder with copies of the files already in `target` other
-        than weights and configs (what ``save_pretrained`` into an existing folder keeps: a
-        tokenizer, a README).
     """
-    target = Path(target).absolute()
+    target = Path(os.path.abspath(target))  # normalises "." and ".." (which a rename cannot target)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{target}: exists and is not a folder; allowed: a new, empty or model folder")
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
     remove_stale(parent, target.name)
     tmp = parent / f".{target.name}{TAG}{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        if keep_existing and target.is_dir():
-            for p in target.iterdir():
-                if p.is_file() and not _is_weight_file(p.name):
-                    shutil.copy2(p, tmp / p.name)
-                elif p.is_dir() and not p.name.startswith("."):
-                    shutil.copytree(p, tmp / p.name)
         yield tmp
         with _locked(parent):
             if target.exists() and not target.is_dir():
@@ -112,12 +113,8 @@ def atomic_dir(target, overwrite: bool = True, keep_existing: bool = False):
                 if not overwrite:
                     raise FileExistsError(f"{target}: exists and is not empty (another writer may have finished first); "
                                           "allowed: a new or empty folder, or overwrite")
-                if not _exchange(tmp, target):
-                    old = parent / f".{target.name}{TAG}{os.getpid()}-old-{secrets.token_hex(4)}"
-                    os.rename(target, old)
-                    os.rename(tmp, target)
-                    tmp = old
-                shutil.rmtree(tmp, ignore_errors=True)  # now the old folder
+                _merge_into(tmp, target)
+                shutil.rmtree(tmp, ignore_errors=True)
                 return
             if target.is_dir():
                 target.rmdir()
@@ -130,9 +127,19 @@ def atomic_dir(target, overwrite: bool = True, keep_existing: bool = False):
 def save_pretrained(self, save_directory, *args, **kwargs):
     """``save_pretrained`` written to a temporary sibling folder and swapped into place (see `atomic_dir`)."""
     save = type(self).save_pretrained
+    if "peft" in sys.modules:  # an injected, unmerged adapter would be saved as base weights no loader expects
+        from .peft import unmerged_lora_layers
+
+        layers = unmerged_lora_layers(self)
+        if layers:
+            raise ValueError(
+                f"save_pretrained: {len(layers)} unmerged LoRA layers are injected in this model (e.g. {layers[0]}); "
+                "allowed: peft_model.merge_and_unload() first (LASER layers absorb the adapter), or "
+                "peft_model.save_pretrained(dir) to save the adapter the PEFT way (reload it with "
+                "hf_tensorcomp.integration.peft.load_lora); nothing was written")
     if os.path.isfile(save_directory):
         return save(self, save_directory, *args, **kwargs)  # transformers' own error
-    with atomic_dir(save_directory, overwrite=True, keep_existing=True) as tmp:
+    with atomic_dir(save_directory, overwrite=True) as tmp:
         return save(self, tmp, *args, **kwargs)
 
 

@@ -52,19 +52,19 @@ class LoraLowRankLinear(LoraFactored):
         from peft.tuners.tuners_utils import check_adapters_to_merge
 
         base = self.get_base_layer()
-        for name in check_adapters_to_merge(self, adapter_names):
-            if name not in self.lora_A:
-                continue
+        names = [n for n in check_adapters_to_merge(self, adapter_names) if n in self.lora_A]
+        for name in names:  # every check before anything changes: a failed merge leaves the layer as it was
             if name in self.lora_variant:
                 raise NotImplementedError("hf_tensorcomp: merging LoRA variants (DoRA, ...) into factored layers")
+            if self.lora_bias[name] and base.bias is None:
+                raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base layer has no bias.")
+            if safe_merge and not all(torch.isfinite(t).all() for t in (self.lora_A[name].weight, self.lora_B[name].weight)):
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
+        for name in names:
             a = self.lora_A[name].weight
             b = self.lora_B[name].weight * self.scaling[name]
-            if safe_merge and not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
             base.append_factors(b.to(base.weight.dtype), a.to(base.weight.dtype))
             if self.lora_bias[name]:
-                if base.bias is None:
-                    raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base layer has no bias.")
                 base.bias.data += self.lora_B[name].bias * self.scaling[name]
             self.merged_adapters.append(name)
 
@@ -79,6 +79,13 @@ class LoraLowRankLinear(LoraFactored):
 
 CUSTOM_MODULES = {LowRankLinear: LoraLowRankLinear, TensorSlice: LoraFactored, HeadTuckerProjection: LoraFactored,
                   EinSortLinear: LoraFactored}
+
+
+def unmerged_lora_layers(model) -> list[str]:
+    """Names of the PEFT LoRA layers injected in `model` and not merged (a state dict no loader expects)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer) and not m.merged]
 
 
 def register(config: LoraConfig) -> LoraConfig:

@@ -104,6 +104,22 @@ def _only_structural(model, cfg: TensorCompressionConfig) -> bool:
     return all(get_method(e.method).structural for e in cfg.entries) and not cfg.compressed_modules
 
 
+def merged_stats(before: dict, now: dict) -> dict:
+    """The stats of a model compressed in several passes: the model as it is after the last one.
+
+    ``params_before`` is the dense model's, ``params_after`` and the other totals the latest pass's;
+    ``modules`` holds every compressed module (a later pass's entry wins); ``passes`` counts them.
+    """
+    if not before:
+        return dict(now)
+    merged = {**before, **now, "params_before": before.get("params_before", now.get("params_before")),
+              "bytes_before": before.get("bytes_before", now.get("bytes_before")),
+              "modules": {**before.get("modules", {}), **now.get("modules", {})},
+              "compress_seconds": round(before.get("compress_seconds", 0) + now.get("compress_seconds", 0), 3),
+              "passes": before.get("passes", 1) + 1}
+    return merged
+
+
 def compress(model, config: TensorCompressionConfig):
     """Compress an already loaded model in place and return it: what ``from_pretrained(...,
     quantization_config=config)`` does at load time, for a model in hand.
@@ -134,6 +150,7 @@ def compress(model, config: TensorCompressionConfig):
         if not all(get_method(e.method).structural for e in config.entries):
             prior.entries = list(prior.entries) + list(config.entries)
         prior.compressed_modules = surgery.factored_specs(model)
+        prior.stats = merged_stats(prior.stats, config.stats)
     elif not _only_structural(model, config):
         quantizer = TensorCompQuantizer(config, pre_quantized=True)
         make_save_atomic(model)

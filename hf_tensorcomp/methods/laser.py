@@ -58,7 +58,7 @@ class Laser(Method):
 
     def validate_options(self, options):
         o = super().validate_options(options)
-        if o["whiten"] not in WHITEN:
+        if not isinstance(o["whiten"], (bool, str)) or o["whiten"] not in WHITEN:  # 1 == True, but is not meant
             fail("whiten", o["whiten"], "False | True (SVD-LLM: Cholesky of XᵀX) | 'cholesky' (the same) | 'asvd' (mean|x|^alpha)")
         if o["whiten"] is True:
             o["whiten"] = "cholesky"

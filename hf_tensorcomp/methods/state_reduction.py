@@ -271,6 +271,13 @@ class StateReduction(Method):
         q, key = torch.cat([a[0] for a in acts]), torch.cat([a[1] for a in acts])
         if scorer == "pca":
             return ks.pca_projections(key, k), {}
+        rows = 2 * min(o["samples"], q.shape[0])  # DRRQR picks k columns of [Q; K] sampled to `samples` tokens each
+        if rows < k:
+            if o["samples"] < q.shape[0]:
+                fail("samples", o["samples"], f"at least {-(-k // 2)}: DRRQR keeps {k} key channels per head and needs "
+                     f"that many rows of [Q; K] (2 x samples)")
+            fail("calibration", f"{q.shape[0]} tokens", f"at least {-(-k // 2)} calibration tokens for DRRQR to keep "
+                 f"{k} key channels per head (more calibration_samples or a longer calibration_length)")
         sel, swaps = ks.drrqr_subsets(q, key, k, o["samples"], o["f"], gen)
         return sel, {"rrqr_swaps": swaps}
 

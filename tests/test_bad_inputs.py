@@ -1,0 +1,298 @@
+"""Bad inputs, faults and unusual sequences: what each one does, at a glance.
+
+``GUARDED`` lists every case the project guards against, with the test that holds it; the first block
+was found in the first reliability round, the second in the second (its tests live below, each written
+to reproduce the failure before it was fixed). ``test_every_guard_has_its_test`` keeps the table honest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_tensorcomp
+from hf_tensorcomp import TensorCompressionConfig
+from hf_tensorcomp.cli import main as cli
+from tiny import VOCAB
+
+HERE = Path(__file__).parent
+
+# (what was tried, what happens now, "test file::test name")
+GUARDED = [
+    # first round
+    ("a NaN/Inf dense weight", "one line naming the module and the count", "test_checks.py::test_non_finite_dense_weight_refused_naming_module"),
+    ("a rank / ratio beyond what the tensor allows", "refused before any weight loads, with the bound", "test_checks.py::test_checks_run_before_weights_load"),
+    ("a factor that comes out NaN or worse than zeros", "refused naming the module and what to try", "test_checks.py::test_check_outputs_refuses_nan_factor_and_error_above_one"),
+    ("corrupt factor tensors in a checkpoint", "refused from the safetensors headers before loading", "test_checks.py::test_corrupt_factor_tensors_refused"),
+    ("edited specs in config.json", "refused at reload, naming the spec", "test_checks.py::test_edited_specs_refused"),
+    ("a pickle weights file", "never loaded", "test_checks.py::test_pickle_weights_never_loaded"),
+    ("different thread counts", "bitwise identical factors", "test_checks.py::test_factors_bitwise_identical_across_thread_counts"),
+    ("GPT-2, BERT, MoE experts", "refused before weights load", "test_checks.py::test_unsupported_models_refused_before_weights_load"),
+    ("a save killed mid-way", "the old checkpoint stays whole", "test_atomic_save.py::test_save_killed_mid_way_leaves_the_old_checkpoint"),
+    ("two CLI runs into one --out", "one succeeds, the other exits 2", "test_atomic_save.py::test_concurrent_cli_runs_into_one_out"),
+    ("a bad config field", "the field, the value and the allowed values", "test_config.py::test_bad_field_names_field_and_allowed_values"),
+    ("bad calibration settings", "the field named", "test_calibration.py::test_bad_calibration_settings_name_the_field"),
+    ("bad EinSortCache settings", "the field named", "test_einsort_cache.py::test_bad_settings_name_the_field"),
+    # second round
+    ("save into a folder holding .git or other hidden / unrelated entries", "only the files the save writes are replaced", "test_bad_inputs.py::test_save_keeps_hidden_and_unrelated_entries"),
+    ("CLI --overwrite into a folder with unrelated files; --out .", "unrelated files kept; --out . works", "test_bad_inputs.py::test_cli_overwrite_keeps_unrelated_files_and_out_dot_works"),
+    ("compress twice with overlapping targets", "refused up front, naming the modules", "test_bad_inputs.py::test_compress_twice_overlapping_refused"),
+    ("linearize, then LASER on *_proj", "refused before any work, naming the modules; LASER on the dense ones reloads", "test_bad_inputs.py::test_linearize_then_laser_refused_before_any_work"),
+    ("LoRA merge that fails midway (lora_bias on a bias-less layer)", "the model is exactly as before", "test_bad_inputs.py::test_failed_lora_merge_leaves_the_model_as_before"),
+    ("calibration with the model in train mode", "runs in eval mode, restores the mode", "test_bad_inputs.py::test_calibration_in_train_mode_is_deterministic"),
+    ("Fisher weighting with all-zero gradients", "documented fallback (mean Fisher), reported in stats", "test_bad_inputs.py::test_zero_fisher_falls_back_and_says_so"),
+    ("correct=True with propagate=False", "refused at construction", "test_bad_inputs.py::test_correct_without_propagate_refused"),
+    ("a second compress on the same model", "stats and card describe the model as it is", "test_bad_inputs.py::test_second_compress_stats_describe_the_model"),
+    ("save with an unmerged PEFT LoRA injected", "refused, with the fix in the message; nothing written", "test_bad_inputs.py::test_save_with_unmerged_lora_refused"),
+    ("a NaN weight with target=", "the one-line error naming the module", "test_bad_inputs.py::test_nan_weight_with_target_names_the_module"),
+    ("calibration producing non-finite activations", "names the decoder layer where values stopped being finite", "test_bad_inputs.py::test_non_finite_activations_name_the_layer"),
+    ("calibration ids out of vocabulary; a Dataset with a wrong column or empty rows", "one line naming the argument", "test_bad_inputs.py::test_bad_calibration_data_names_the_argument"),
+    ("whiten=1", "refused: a bool or a named mode", "test_bad_inputs.py::test_whiten_must_be_bool_or_mode"),
+    ("state reduction with one calibration sample", "one line: how many samples it needs", "test_bad_inputs.py::test_state_reduction_one_sample"),
+    ("CLI: malformed recipe, option as a list, missing recipe / model, --out a file", "one line each, exit 2, nothing written", "test_bad_inputs.py::test_cli_bad_invocations"),
+    ("EinSortCache default", "holds fewer bytes than DynamicCache past the first segment", "test_einsort_cache.py::test_default_holds_fewer_bytes_than_dynamic_cache"),
+]
+
+
+def test_every_guard_has_its_test():
+    for _, _, ref in GUARDED:
+        file, name = ref.split("::")
+        assert f"def {name}(" in (HERE / file).read_text(), ref
+
+
+def laser(**kw):
+    return TensorCompressionConfig(method="laser", progress=False, **{"rank": 4, "targets": ["mlp.*"], **kw})
+
+
+def calib(n=4, length=16, seed=2):
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def dense(tiny_dirs, arch="llama", **kw):
+    return AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], **kw).eval()
+
+
+# ---------------------------------------------------------------- writing outputs
+def test_save_keeps_hidden_and_unrelated_entries(tiny_dirs, tmp_path, ids):
+    out = tmp_path / "repo"
+    (out / ".git" / "objects").mkdir(parents=True)
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / ".env").write_text("SECRET=1\n")
+    (out / "notes").mkdir()
+    (out / "notes" / "a.txt").write_text("mine")
+    git_inode = (out / ".git").stat().st_ino
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=laser())
+    model.save_pretrained(out)
+    assert (out / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n"
+    assert (out / ".git").stat().st_ino == git_inode  # not copied, not moved: untouched
+    assert (out / ".env").read_text() == "SECRET=1\n" and (out / "notes" / "a.txt").read_text() == "mine"
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(out)(ids).logits, model(ids).logits)
+    model.save_pretrained(out)  # again: the same
+    assert (out / ".git").stat().st_ino == git_inode and (out / ".env").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name != "repo"]  # no temporary folder left
+
+
+def test_cli_overwrite_keeps_unrelated_files_and_out_dot_works(tiny_with_tokenizer, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "table.csv").write_text("a,b\n")
+    (out / "keep.txt").write_text("keep")
+    argv = ["compress", str(tiny_with_tokenizer), "--rank", "4", "--targets", "mlp.*", "--no-eval", "--quiet"]
+    assert cli(argv + ["--out", str(out), "--overwrite"]) == 0
+    assert (out / "keep.txt").read_text() == "keep" and (out / "data" / "table.csv").read_text() == "a,b\n"
+    AutoModelForCausalLM.from_pretrained(out)
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "mine.txt").write_text("x")
+    monkeypatch.chdir(here)
+    assert cli(argv + ["--out", ".", "--overwrite"]) == 0
+    assert (here / "mine.txt").read_text() == "x" and (here / "config.json").exists()
+    AutoModelForCausalLM.from_pretrained(here)
+
+
+def test_save_with_unmerged_lora_refused(tiny_dirs, tmp_path):
+    from peft import get_peft_model
+
+    from hf_tensorcomp.integration.peft import lora_config
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=laser())
+    peft_model = get_peft_model(model, lora_config(r=2, target_modules=["up_proj"]))
+    with pytest.raises(ValueError, match=r"unmerged LoRA.*merge_and_unload\(\).*peft_model\.save_pretrained"):
+        peft_model.base_model.model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    peft_model.save_pretrained(tmp_path / "adapter")  # the PEFT way still works
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+
+
+# ---------------------------------------------------------------- sequences of calls
+def test_compress_twice_overlapping_refused(tiny_dirs, ids):
+    model = hf_tensorcomp.compress(dense(tiny_dirs), laser())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"already compressed by hf_tensorcomp.*model\.layers\.0\.mlp\.up_proj"):
+        hf_tensorcomp.compress(model, laser(rank=2, targets=["mlp.up_proj"]))
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_second_compress_stats_describe_the_model(tiny_dirs, tmp_path):
+    model = hf_tensorcomp.compress(dense(tiny_dirs), laser())
+    hf_tensorcomp.compress(model, laser(targets=["self_attn.q_proj"]))
+    st = model.config.quantization_config.stats
+    assert st["params_after"] == sum(p.numel() for p in model.parameters())
+    assert st["params_before"] == sum(p.numel() for p in dense(tiny_dirs).parameters())
+    assert "model.layers.0.mlp.up_proj" in st["modules"] and "model.layers.0.self_attn.q_proj" in st["modules"]
+    model.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text() if (tmp_path / "README.md").exists() else None
+    hf_tensorcomp.write_model_card(model, tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert f"{st['params_after']:,}" in card
+
+
+def test_linearize_then_laser_refused_before_any_work(tiny_dirs, tmp_path, ids):
+    lin = TensorCompressionConfig(method="linearize", layers=[1], calibration=calib(8, 24, 3), epochs=2, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=lin).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"already compressed by hf_tensorcomp.*model\.layers\.1\.self_attn\.gdn"):
+        hf_tensorcomp.compress(model, laser(targets=["*_proj"]))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    hf_tensorcomp.compress(model, laser(targets=["mlp.*"]))  # the dense modules beside it: compressed, saved, reloaded
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.allclose(again(ids).logits, ref, rtol=0, atol=1e-5)
+
+
+def test_failed_lora_merge_leaves_the_model_as_before(tiny_dirs, ids):
+    from peft import get_peft_model
+
+    from hf_tensorcomp.integration.peft import lora_config
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=laser(targets=["self_attn.o_proj"]))
+    peft_model = get_peft_model(model, lora_config(r=2, target_modules=["o_proj"], lora_bias=True))
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p)
+    with torch.no_grad():
+        ref = peft_model(ids).logits
+    ranks = [m.rank for m in model.modules() if type(m).__name__ == "LowRankLinear"]
+    with pytest.raises(RuntimeError, match="bias"):
+        peft_model.merge_adapter()
+    assert [m.rank for m in model.modules() if type(m).__name__ == "LowRankLinear"] == ranks
+    with torch.no_grad():
+        assert torch.equal(peft_model(ids).logits, ref)
+
+
+# ---------------------------------------------------------------- calibration
+def test_calibration_in_train_mode_is_deterministic(tiny_dirs):
+    def run():
+        model = dense(tiny_dirs, attention_dropout=0.5).train()
+        hf_tensorcomp.compress(model, laser(whiten=True, calibration=calib()))
+        assert model.training  # the mode is restored
+        return model.model.layers[1].mlp.up_proj.weight.clone()
+
+    torch.manual_seed(0)
+    a = run()
+    torch.manual_seed(1)
+    assert torch.equal(a, run())
+
+
+def test_zero_fisher_falls_back_and_says_so(tiny_dirs):
+    model = dense(tiny_dirs)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.zero_()  # v_proj of layer 0 no longer reaches the loss
+    cfg = TensorCompressionConfig(method="laser", target=0.8, whiten=True, weighting="fisher", calibration=calib(),
+                                  targets=["self_attn.v_proj", "mlp.up_proj"], progress=False)
+    with pytest.warns(UserWarning, match=r"Fisher.*model\.layers\.0\.self_attn\.v_proj"):
+        hf_tensorcomp.compress(model, cfg)
+    st = model.config.quantization_config.stats
+    assert st["calibration"]["fisher_fallback"] == ["model.layers.0.self_attn.v_proj"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_correct_without_propagate_refused():
+    with pytest.raises(ValueError, match=r"correct.*propagate"):
+        TensorCompressionConfig(method="laser", rank=4, whiten=True, correct=True, propagate=False, calibration="wikipedia")
+
+
+def test_nan_weight_with_target_names_the_module(tiny_dirs):
+    model = dense(tiny_dirs)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight: the dense weight holds 1 NaN/Inf"):
+        hf_tensorcomp.compress(model, laser(rank=None, target=0.8, whiten=True, calibration=calib()))
+
+
+def test_non_finite_activations_name_the_layer(tiny_dirs):
+    model = dense(tiny_dirs)
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight.fill_(1e38)  # not a target: finite, but overflows
+    with pytest.raises(ValueError, match=r"decoder layer 1 \(model\.layers\.1\).*not finite"):
+        hf_tensorcomp.compress(model, laser(whiten=True, calibration=calib()))
+
+
+def test_bad_calibration_data_names_the_argument(tiny_dirs, tiny_with_tokenizer):
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match=r"calibration: token id 500.*vocabulary of 101"):
+        hf_tensorcomp.compress(dense(tiny_dirs), laser(whiten=True, calibration=[[1, 2, 500]]))
+    with pytest.raises(ValueError, match=r"calibration: .*'text' column"):
+        laser(whiten=True, calibration=Dataset.from_dict({"content": ["w1 w2"]}))
+    rows = Dataset.from_dict({"text": [None, "", "w1 w2 w3"]})
+    model = AutoModelForCausalLM.from_pretrained(tiny_with_tokenizer)
+    with pytest.raises(ValueError, match=r"calibration: row 0 of the Dataset's 'text' column is NoneType"):
+        hf_tensorcomp.compress(model, laser(whiten=True, calibration=rows))
+
+
+@pytest.mark.parametrize("method, kw", [("laser", {"rank": 4}), ("trawl", {"rank": 4}), ("tensorllm", {"ratio": 2.0})])
+@pytest.mark.parametrize("value", [1, 0, "yes"])
+def test_whiten_must_be_bool_or_mode(method, kw, value):
+    with pytest.raises(ValueError, match=r"whiten: got"):
+        TensorCompressionConfig(method=method, whiten=value, calibration="wikipedia", **kw)
+
+
+def test_state_reduction_one_sample():
+    """One DRRQR sample (the ``samples`` option: tokens sampled per head) gives 2 rows of [Q; K], fewer
+    than the 4 channels to keep: a raw RuntimeError from the triangular solve before."""
+    from test_state_reduction import tiny
+
+    cfg = TensorCompressionConfig(method="state_reduction", keep=0.5, samples=1, calibration=calib(2, 24), progress=False)
+    with pytest.raises(ValueError, match=r"samples: got 1; allowed: at least 2"):
+        hf_tensorcomp.compress(tiny("qwen3_5"), cfg)
+    cfg = TensorCompressionConfig(method="state_reduction", keep=0.5, calibration=calib(1, 1), progress=False)
+    with pytest.raises(ValueError, match=r"calibration: got '2 tokens'; allowed: at least 2|calibration"):
+        hf_tensorcomp.compress(tiny("qwen3_5"), cfg)
+
+
+# ---------------------------------------------------------------- the CLI
+@pytest.mark.parametrize("case", ["malformed", "option_list", "missing_recipe", "missing_model", "out_is_file"])
+def test_cli_bad_invocations(case, tiny_with_tokenizer, tmp_path, capsys):
+    recipe = tmp_path / "r.json"
+    out = tmp_path / "out"
+    argv = ["compress", str(tiny_with_tokenizer), "--rank", "4", "--no-eval", "--quiet", "--out", str(out)]
+    if case == "malformed":
+        recipe.write_text('{"rank": 4,')
+        argv += ["--recipe", str(recipe)]
+    elif case == "option_list":
+        recipe.write_text(json.dumps({"option": ["whiten", True]}))
+        argv += ["--recipe", str(recipe)]
+    elif case == "missing_recipe":
+        argv += ["--recipe", str(tmp_path / "nope.json")]
+    elif case == "missing_model":
+        argv[1] = str(tmp_path / "no-such-model")
+    else:
+        out.write_text("a file")
+    before = sorted(os.listdir(tmp_path))
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-tensorcomp: error:") and "\n" not in err and "Traceback" not in err, err
+    assert sorted(os.listdir(tmp_path)) == before
+    if case == "out_is_file":
+        assert out.read_text() == "a file"
