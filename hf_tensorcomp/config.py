@@ -30,6 +30,8 @@ from .validation import fail, is_int
 QUANT_METHOD = "tensorcomp"
 FORMAT_VERSION = 1
 MODES = ("factorized", "dense")
+FACTOR_BITS = (None, 8, 4)
+DEFAULT_GROUP_SIZE = 128
 ENTRY_FIELDS = ("method", "rank", "target", "targets", "layers", "mode")
 CALIBRATION_DEFAULTS = {"calibration_samples": 32, "calibration_length": 256, "calibration_batch_size": 8,
                         "calibration_seed": 0, "propagate": True}
@@ -44,6 +46,16 @@ class Entry:
         self.mode = mode
         if mode not in MODES:
             fail("mode", mode, " | ".join(repr(x) for x in MODES))
+        self.factor_bits = options.pop("factor_bits", None)
+        self.group_size = options.pop("group_size", DEFAULT_GROUP_SIZE)
+        if self.factor_bits not in FACTOR_BITS or isinstance(self.factor_bits, bool):
+            fail("factor_bits", self.factor_bits, "None (factors kept in the model's dtype) | 8 | 4 (integer codes with a "
+                 "float16 scale and an integer zero point per group of group_size values)")
+        if self.factor_bits is not None and (m.structural or mode == "dense"):
+            fail("factor_bits", self.factor_bits, f"None with method {method!r} and mode {mode!r} (no factors are kept)")
+        if not is_int(self.group_size, 16) or self.group_size > 8192:
+            fail("group_size", self.group_size, "an int in [16, 8192] (values sharing one scale and zero point; "
+                 "claims in this project are made at >= 64)")
         options = m.validate_options(options)
         if targets is None:
             targets = list(m.targets_for(options))
@@ -80,6 +92,10 @@ class Entry:
         d = {"method": self.method, "rank": self.rank, "targets": self.targets, "layers": self.layers, "mode": self.mode}
         if self.target is not None:
             d["target"] = self.target
+        if self.factor_bits is not None:
+            d["factor_bits"] = self.factor_bits
+        if self.factor_bits is not None or get_method(self.method).uses_group_size:
+            d["group_size"] = self.group_size
         d.update(copy.deepcopy(self.options))
         return d
 
@@ -166,6 +182,9 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         if calibration_tokenizer is not None and not isinstance(calibration_tokenizer, str) and not callable(calibration_tokenizer):
             fail("calibration_tokenizer", type(calibration_tokenizer).__name__, "None (the model's own), a path, or a tokenizer")
         self.calibration_tokenizer = calibration_tokenizer  # not saved: only needed while compressing
+        if not propagate and any(e.options.get("correct") for e in self.entries):
+            fail("correct", True, "False with propagate=False (error correction fits the dense outputs from the inputs "
+                 "a partly compressed model gives, which only propagation computes), or propagate=True")
         needing = [e.method for e in self.entries if get_method(e.method).needs(e)]
         if needing and self.calibration is None and not compressed_modules:
             fail("calibration", None, f"calibration text for {sorted(set(needing))} with these options "

@@ -63,19 +63,28 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
     """
     work = plan(model, config) if work is None else work  # 1. plan
     prefix, layer_list = find_decoder_layers(model)
+    for _, names in work:  # every dense weight checked before any work (allocation reads them all)
+        checks.check_inputs({n: layer_list.get_submodule(n) for n in names}, prefix)
     params_before = sum(p.numel() for p in model.parameters())
+    bytes_before = stored_bytes(model)
     t0 = time.perf_counter()
     methods = [get_method(e.method) for e in config.entries]
-    runner = calibrate(model, config, work, methods)  # 2. calibrate
-    allocation = allocate(config, work, methods, layer_list, runner)  # 3. allocate
-    module_stats = compress_units(model, config, work, methods, runner, allocation)  # 4. compress + check
-    finished = {}
-    ctx = model_context(model)
-    for k, entry in enumerate(config.entries):  # a method's whole-model step after its units (e.g. recovery)
-        done = methods[k].finish(model, entry, ctx, runner)
-        if done:
-            finished[str(k)] = done
-    return record(model, config, params_before, time.perf_counter() - t0, module_stats, finished, runner, allocation)  # 5.
+    was_training = model.training
+    model.eval()  # calibration and statistics without dropout; trainers set their own mode
+    try:
+        runner = calibrate(model, config, work, methods)  # 2. calibrate
+        allocation = allocate(config, work, methods, layer_list, runner)  # 3. allocate
+        module_stats = compress_units(model, config, work, methods, runner, allocation)  # 4. compress + check
+        finished = {}
+        ctx = model_context(model)
+        for k, entry in enumerate(config.entries):  # a method's whole-model step after its units (e.g. recovery)
+            done = methods[k].finish(model, entry, ctx, runner)
+            if done:
+                finished[str(k)] = done
+    finally:
+        model.train(was_training)
+    return record(model, config, (params_before, bytes_before), time.perf_counter() - t0, module_stats, finished, runner,
+                  allocation)  # 5.
 
 
 def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods):
@@ -91,12 +100,17 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods):
     prefix, layer_list = find_decoder_layers(model)
     ids = calibration_ids(config.calibration, _calibration_tokenizer(model, config), config.calibration_samples,
                           config.calibration_length, config.calibration_seed)
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if bad.numel():
+        raise ValueError(f"TensorCompressionConfig.calibration: token id {int(bad[0])} is outside the model's vocabulary "
+                         f"of {vocab} ({bad.numel()} such ids); allowed: ids in [0, {vocab}), or texts")
     runner = LayerwiseRunner(model, prefix, layer_list, ids, config.calibration_batch_size)
     sensitive = [n for k, names in work for n in names if "fisher" in needs[k] | ladder[k]]
     if sensitive:  # one backward pass of the dense model, before anything changes
         from .calibration.sensitivity import output_fisher
 
-        runner.fisher = output_fisher(model, layer_list, sensitive, runner.ids)
+        runner.fisher, runner.fisher_fallback = output_fisher(model, layer_list, sensitive, runner.ids, prefix)
     graded = [n for k, names in work for n in names if "weight_grad" in needs[k]]
     if graded:  # the loss gradient of the dense model's weights, before anything changes
         from .calibration.sensitivity import weight_gradients
@@ -120,7 +134,6 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
         entry = config.entries[k]
         unit_ctx = replace(ctx, stats=stats, ranks=allocation.get(k, {}).get("rungs"), layers=layer_list)
         mods = {n: layer_list.get_submodule(n) for n in names}
-        checks.check_inputs(mods, prefix)
         with fixed_threads():
             result = methods[k].compress(mods, entry, unit_ctx)
         checks.check_outputs(result, mods, prefix, entry, methods[k].remedy)
@@ -129,6 +142,9 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
                 new = new.to_dense()  # None for containers of shared factors: nothing to add
                 if new is None:
                     continue
+            if entry.factor_bits is not None and isinstance(new, FactorizedModule) and new.quantizable(entry.group_size):
+                new.quantize_factors(entry.factor_bits, entry.group_size)
+                st = {**st, "factor_bits": entry.factor_bits, "group_size": entry.group_size}
             set_module(layer_list, name, new)
             module_stats[f"{prefix}.{name}"] = {"method": entry.method, **st}
 
@@ -152,13 +168,33 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
     return module_stats
 
 
-def record(model: nn.Module, config: TensorCompressionConfig, params_before: int, seconds: float, module_stats: dict,
+def stored_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and saved buffer as the model holds them (what a checkpoint stores, tied
+    tensors once): packed codes, scales and zero points included."""
+    seen, total = set(), 0
+    tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if _persistent(model, n))]
+    for t in tensors:
+        if t.data_ptr() in seen and t.device.type != "meta":
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _persistent(model: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    return leaf not in model.get_submodule(owner)._non_persistent_buffers_set
+
+
+def record(model: nn.Module, config: TensorCompressionConfig, before: tuple[int, int], seconds: float, module_stats: dict,
            finished: dict, runner, allocation: dict) -> dict:
     """Stage 5: ``config.compressed_modules`` and ``config.stats`` describe the model as it now is."""
     config.compressed_modules = factored_specs(model)
     config.stats = {
-        "params_before": params_before,
+        "params_before": before[0],
         "params_after": sum(p.numel() for p in model.parameters()),
+        "bytes_before": before[1],
+        "bytes_after": stored_bytes(model),
         "compress_seconds": round(seconds, 3),
         "modules": module_stats,
     }
@@ -168,6 +204,8 @@ def record(model: nn.Module, config: TensorCompressionConfig, params_before: int
         config.stats["calibration"] = {"samples": sum(h.shape[0] for h in runner.hidden),
                                        "tokens": runner.n_tokens, "propagate": config.propagate,
                                        "data": describe(config.calibration)}
+        if runner.fisher_fallback:
+            config.stats["calibration"]["fisher_fallback"] = runner.fisher_fallback
     if allocation:
         config.stats["allocation"] = {str(k): {key: v for key, v in a.items() if key != "rungs"} for k, a in allocation.items()}
     return config.stats

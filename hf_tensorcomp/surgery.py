@@ -22,7 +22,7 @@ def set_module(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def factored_specs(model: nn.Module) -> dict[str, dict]:
-    return {name: m.spec() for name, m in model.named_modules() if isinstance(m, FactorizedModule)}
+    return {name: m.full_spec() for name, m in model.named_modules() if isinstance(m, FactorizedModule)}
 
 
 def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: torch.dtype | None = None) -> None:
@@ -53,6 +53,11 @@ def build_skeleton(model: nn.Module, config: TensorCompressionConfig, dtype: tor
         dt = dtype or (old_w.dtype if old_w is not None else next(model.parameters()).dtype)
         with torch.device("meta"):
             new = build_from_spec(spec, dtype=dt, root=model, name=name)
+            for factor, q in spec.get("quant", {}).items():
+                if factor not in new.quantizable():
+                    raise ValueError(f"compressed_modules[{name!r}].quant: names {factor!r}, not a factor of this "
+                                     f"layer (allowed: {new.quantizable()}); the checkpoint's config.json is corrupt or edited")
+                new.quantize_factors(q["bits"], q["group_size"], [factor])
         for dim in ("in_features", "out_features"):
             if old is not None and hasattr(old, dim) and getattr(new, dim) != getattr(old, dim):
                 raise ValueError(f"compressed_modules[{name!r}]: builds a module with {dim}={getattr(new, dim)}, the model's "

@@ -51,6 +51,12 @@ def _layers(entry, stats: dict | None, n_layers: int) -> str:
     return "all" if not seen or len(seen) == n_layers else ", ".join(map(str, seen))
 
 
+def _options(entry) -> dict:
+    """An entry's method options, with the quantization of its factors when there is one."""
+    extra = {"factor_bits": entry.factor_bits, "group_size": entry.group_size} if entry.factor_bits else {}
+    return {**entry.options, **extra}
+
+
 def chosen_ranks(stats: dict, method: str) -> str:
     """The ranks compression chose for a method's modules, e.g. ``"288 ×40, 96 ×20"`` ("-" if none recorded)."""
     counts: dict[str, int] = {}
@@ -86,13 +92,16 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
               "| entry | method | rank | chosen ranks | targets | layers | mode | options |", "|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(cfg.entries):
         lines.append(f"| {i} | {e.method} | {'-' if e.rank is None else e.rank} | {chosen_ranks(st, e.method)} "
-                     f"| {', '.join(e.targets)} | {_layers(e, st, model.config.get_text_config().num_hidden_layers)} | {e.mode} | {e.options or ''} |")
+                     f"| {', '.join(e.targets)} | {_layers(e, st, model.config.get_text_config().num_hidden_layers)} | {e.mode} | {_options(e) or ''} |")
     if st:
         for k, a in st.get("allocation", {}).items():
             lines.append(f"\nEntry {k}: target {a['target']} of {a['params_targeted']:,} parameters, kept "
                          f"{a['params_kept']:,} ({a['kept_fraction']}); {len(a['kept_dense'])} matrices left dense.")
         before, after = st.get("params_before"), st.get("params_after")
         lines += ["", f"- parameters: {before:,} → {after:,} ({after / before:.3f} of the original)",
+                  *([f"- bytes stored: {st['bytes_before']:,} → {st['bytes_after']:,} "
+                     f"({st['bytes_after'] / st['bytes_before']:.3f} of the original)"] if st.get("bytes_before") else []),
+                  *([f"- compression passes: {st['passes']}"] if st.get("passes") else []),
                   f"- compressed modules: {len(st.get('modules', {}))}",
                   f"- compression time: {st.get('compress_seconds')} s"]
         errs = [m["rel_error"] for m in st.get("modules", {}).values() if "rel_error" in m]

@@ -7,13 +7,19 @@ Every factored module:
   merging and tests: the forward never does);
 - keeps at least one tensor under the replaced module's dense parameter name (`weight`) with a shape
   that cannot equal the dense one. Loading such a checkpoint without hf_tensorcomp therefore stops
-  with transformers' size-mismatch error instead of silently random-initialising the dense weights.
+  with transformers' size-mismatch error instead of silently random-initialising the dense weights;
+- can store its own factor tensors quantized (`quantize_factors`: ``factor_bits``): the parameter
+  becomes a uint8 buffer of packed codes under the same name, with ``NAME_scale`` (float16) and
+  ``NAME_zero`` (uint8) per group, and reading ``self.NAME`` gives the dequantized tensor, so every
+  forward works unchanged. The spec records it under ``"quant"``.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ..decompositions.quantize import BITS, QTensor, n_groups, pack, quantize_rtn, unpack
 
 LAYER_TYPES: dict[str, type["FactorizedModule"]] = {}
 
@@ -53,7 +59,7 @@ class FactorizedModule(nn.Module):
         """Raise ValueError naming the module and field if `spec` is not one this class writes."""
         if not isinstance(spec, dict):
             raise ValueError(f"compressed_modules[{name!r}]: got {spec!r}; allowed: a dict written by hf_tensorcomp")
-        unknown = sorted(set(spec) - set(cls.spec_fields) - {"layer", "new"})
+        unknown = sorted(set(spec) - set(cls.spec_fields) - {"layer", "new", "quant"})
         if unknown:
             raise ValueError(f"compressed_modules[{name!r}]: unknown field(s) {unknown} for layer {cls.layer_type!r}; "
                              f"allowed: {sorted(cls.spec_fields)}")
@@ -66,12 +72,64 @@ class FactorizedModule(nn.Module):
                 (FIELD_KINDS[kind][0](value), FIELD_KINDS[kind][1])
             if not ok:
                 raise ValueError(f"compressed_modules[{name!r}].{field}: got {value!r}; allowed: {allowed}")
+        quant = spec.get("quant", {})
+        if not isinstance(quant, dict) or not all(
+                isinstance(q, dict) and set(q) == {"bits", "group_size"} and q["bits"] in BITS and _is_int(q["group_size"], 1)
+                for q in quant.values()):
+            raise ValueError(f"compressed_modules[{name!r}].quant: got {quant!r}; allowed: {{factor name: {{'bits': "
+                             f"{' | '.join(map(str, BITS))}, 'group_size': int >= 1}}}}")
         if spec.get("new", False) is not (cls.build_order < 0):
             raise ValueError(f"compressed_modules[{name!r}].new: got {spec.get('new')!r}; allowed: "
                              f"{cls.build_order < 0} for layer {cls.layer_type!r}")
 
     def spec(self) -> dict:
         raise NotImplementedError
+
+    def full_spec(self) -> dict:
+        """`spec()` plus the quantization of its factors, if any (what the config saves)."""
+        spec = self.spec()
+        q = self.__dict__.get("_qfactors")
+        if q:
+            spec["quant"] = {n: {"bits": b, "group_size": g} for n, (b, g, _, _) in q.items()}
+        return spec
+
+    def quantizable(self, group_size: int | None = None) -> list[str]:
+        """This module's own floating factor tensors (biases aside) that `factor_bits` quantizes: those of
+        at least four groups of `group_size` values (smaller ones, e.g. a TRAWL slice's few weights, would
+        only grow by their scales); every candidate when `group_size` is None."""
+        return [n for n, p in self._parameters.items() if p is not None and n != "bias" and p.is_floating_point()
+                and (group_size is None or p.numel() >= 4 * group_size)]
+
+    def quantize_factors(self, bits: int, group_size: int, names=None, given: dict[str, QTensor] | None = None) -> None:
+        """Store the factor parameters `names` (default: `quantizable`) quantized in place (see the module
+        docstring); `given` supplies ready quantized tensors (e.g. GPTQ's). On the meta device: empty
+        buffers of the stored shapes (a skeleton being rebuilt)."""
+        q = self.__dict__.setdefault("_qfactors", {})
+        for n in self.quantizable(group_size) if names is None else names:
+            p = self._parameters.pop(n)
+            groups = n_groups(p.numel(), group_size)
+            if p.is_meta:
+                codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8, device="meta")
+                scale = torch.empty(groups, dtype=torch.float16, device="meta")
+                zero = torch.empty(groups, dtype=torch.uint8, device="meta")
+            else:
+                qt = (given or {}).get(n) or quantize_rtn(p.data, bits, group_size)
+                codes, scale, zero = pack(qt.codes, bits), qt.scale, qt.zero
+            self.register_buffer(n, codes.to(p.device))
+            self.register_buffer(f"{n}_scale", scale.to(p.device))
+            self.register_buffer(f"{n}_zero", zero.to(p.device))
+            q[n] = (bits, group_size, tuple(p.shape), p.dtype)
+
+    def __getattr__(self, name: str):
+        q = self.__dict__.get("_qfactors")
+        if q is not None and name in q:
+            bits, group, shape, dtype = q[name]
+            buffers = self.__dict__["_buffers"]
+            codes, scale, zero = buffers[name], buffers[f"{name}_scale"], buffers[f"{name}_zero"]
+            if "meta" in (codes.device.type, scale.device.type, zero.device.type):
+                return codes  # a skeleton being loaded: the loader reads and fills the stored tensor itself
+            return QTensor(unpack(codes, bits), scale, zero, bits, group, shape).dequantize(dtype)
+        return super().__getattr__(name)
 
     @classmethod
     def from_spec(cls, spec: dict, dtype: torch.dtype | None = None, root: nn.Module | None = None) -> "FactorizedModule":

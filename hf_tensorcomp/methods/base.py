@@ -125,6 +125,9 @@ class Method:
             fail("target", target, "a float in (0, 1): the fraction of the targeted modules' parameters kept")
         return float(target)
 
+    #: whether the entry's ``group_size`` is the method's own (quantizing methods); saved with it
+    uses_group_size: bool = False
+
     #: whether `target=` (a budget over all targeted modules) is accepted
     supports_target: bool = False
 

@@ -1,0 +1,142 @@
+"""Group-wise integer quantization: round to nearest, GPTQ, and the packed storage both share.
+
+Format (own, plain safetensors; chosen over the libraries' formats because none of them saves and
+reloads on CPU with transformers 5 here, see the README): a tensor is flattened, padded to a multiple
+of ``group_size`` and cut into groups of consecutive values (for an ``(out, in)`` weight with
+``group_size | in``: groups along each row, the usual layout). Each group has a float16 ``scale`` and
+an **integer** zero point ``zero`` in ``[0, 2^bits - 1]``; a value is ``(code - zero) * scale``.
+Integer zero points are what GPTQ / compressed-tensors loaders expect, and they do not reproduce the
+GGUF Q4_1 blocks (float minimum) of the bundled models by accident. Codes of 2, 4 or 8 bits are packed
+``8 // bits`` to a byte, lowest bits first.
+
+GPTQ (Frantar et al., 2022) is written here rather than taken from GPTQModel: that package pins its
+own torch, needs a worker-pool workaround on 2 cores and quantizes whole models through its own
+loader, while the pipeline already has each layer's input Gram, which is all GPTQ reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+BITS = (2, 4, 8)
+
+
+@dataclass
+class QTensor:
+    """A quantized tensor: codes (unpacked, uint8, flattened and padded), per-group scale and zero."""
+
+    codes: torch.Tensor  # (n_groups * group_size,) uint8
+    scale: torch.Tensor  # (n_groups,) float16
+    zero: torch.Tensor  # (n_groups,) uint8
+    bits: int
+    group_size: int
+    shape: tuple[int, ...]
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        g = self.codes.view(-1, self.group_size).to(dtype)
+        w = (g - self.zero.to(dtype)[:, None]) * self.scale.to(dtype)[:, None]
+        return w.reshape(-1)[: math.prod(self.shape)].reshape(self.shape)
+
+
+def n_groups(numel: int, group_size: int) -> int:
+    return -(-numel // group_size)
+
+
+def stored_bytes(numel: int, bits: int, group_size: int) -> int:
+    """Bytes of a quantized tensor as saved: packed codes + a float16 scale and a uint8 zero per group."""
+    groups = n_groups(numel, group_size)
+    return groups * group_size * bits // 8 + groups * 3
+
+
+def _grid(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `w` (groups x group_size): the asymmetric min-max scale and integer zero point."""
+    top = 2**bits - 1
+    lo = w.amin(1).clamp(max=0)
+    hi = w.amax(1).clamp(min=0)
+    scale = ((hi - lo) / top).clamp(min=1e-8)
+    zero = (-lo / scale).round().clamp(0, top)
+    # the integer zero shifts the grid by up to half a step: widen the step so both ends stay within
+    # half a step of a code (round-trip error <= scale / 2 everywhere)
+    scale = torch.maximum(scale, torch.maximum(hi / (top - zero + 0.499), -lo / (zero + 0.499)))
+    scale = scale.half().float().clamp(min=2**-24)  # the float16 value that is stored, so codes use it
+    scale = torch.where((hi / scale + zero > top + 0.5) | (zero - (-lo) / scale < -0.5), scale * (1 + 2**-10), scale)
+    return scale, zero
+
+
+def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    return (w / scale[:, None]).round().add(zero[:, None]).clamp(0, 2**bits - 1)
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int) -> QTensor:
+    """Round to nearest on the min-max grid of each group (the plain quantizer)."""
+    if bits not in BITS:
+        raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
+    flat = w.detach().reshape(-1).float()
+    pad = n_groups(flat.numel(), group_size) * group_size - flat.numel()
+    groups = torch.cat([flat, flat.new_zeros(pad)]).view(-1, group_size)
+    scale, zero = _grid(groups, bits)
+    codes = _codes(groups, scale, zero, bits)
+    return QTensor(codes.to(torch.uint8).reshape(-1), scale.half(), zero.to(torch.uint8), bits, group_size, tuple(w.shape))
+
+
+def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: int, damping: float = 0.01) -> QTensor:
+    """GPTQ: quantize the columns of ``w`` (out x in) in order, spreading each column's rounding error
+    over the columns not yet quantized so that ‖(W - Q) Xᵀ‖ stays small (``gram`` = XᵀX, in x in).
+
+    Each group's grid is taken from the (updated) weights when the quantizer reaches the group, as in
+    the reference implementation; ``group_size`` must divide ``in``. Dead inputs (zero Gram diagonal)
+    get a unit diagonal and their weights are quantized as they are.
+    """
+    if bits not in BITS:
+        raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
+    out_f, in_f = w.shape
+    if in_f % group_size:
+        raise ValueError(f"group_size: got {group_size}; allowed: a divisor of the input size {in_f}")
+    W = w.detach().double().clone()
+    H = gram.detach().double().clone()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1.0
+    H.diagonal().add_(damping * H.diagonal().mean())
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    codes = torch.zeros_like(W)
+    scales = torch.zeros(out_f, in_f // group_size, dtype=torch.float64)
+    zeros = torch.zeros_like(scales)
+    block = group_size * max(1, 128 // group_size)  # whole groups per block: a group's grid sees its updated weights
+    for i1 in range(0, in_f, block):
+        i2 = min(i1 + block, in_f)
+        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+        Err1 = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group_size == 0:
+                g = col // group_size
+                s, z = _grid(W1[:, i:i + group_size].float(), bits)
+                scales[:, g], zeros[:, g] = s.double(), z.double()
+            g = col // group_size
+            s, z = scales[:, g], zeros[:, g]
+            q = (W1[:, i] / s).round().add(z).clamp(0, 2**bits - 1)
+            codes[:, col] = q
+            err = (W1[:, i] - (q - z) * s) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return QTensor(codes.to(torch.uint8).reshape(-1), scales.reshape(-1).half(), zeros.reshape(-1).to(torch.uint8),
+                   bits, group_size, (out_f, in_f))
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes of `bits` bits -> bytes holding ``8 // bits`` codes each, lowest bits first."""
+    per = 8 // bits
+    c = codes.reshape(-1, per).to(torch.int32)
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    return (c << shifts).sum(1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `pack`."""
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+    return ((packed.to(torch.int32)[:, None] >> shifts) & (2**bits - 1)).reshape(-1).to(torch.uint8)
