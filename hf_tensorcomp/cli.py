@@ -24,7 +24,7 @@ from pathlib import Path
 
 BUNDLED = ("smollm2", "gemma3")
 #: the registered method names, listed here so the parser needs no torch (a test checks they agree)
-METHODS = ("einsort", "laser", "linearize", "rotor", "state_reduction", "tensorllm", "trawl")
+METHODS = ("einsort", "laser", "linearize", "qlr", "rotor", "state_reduction", "tensorllm", "trawl")
 TEXT_SOURCES = ("wikipedia", "owt")
 
 

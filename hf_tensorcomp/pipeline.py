@@ -261,17 +261,17 @@ def allocate(config, work, methods, layer_list, runner) -> dict[int, dict]:
                 return False
 
             runner.run(wanted, on_layer, last=max(wanted), propagate=False, progress=config.progress,
-                       desc=f"hf_tensorcomp: allocating {entry.method} target={entry.target}")
+                       desc=f"hf_tensorcomp: allocating {entry.method} target={m.budget(entry)}")
         else:
             ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry) for n in names}
         total = sum(layer_list.get_submodule(n).weight.numel() for n in names)
-        budget = entry.target * total
+        budget = m.budget(entry) * total
         try:
             rungs = allocate_rungs(ladders, budget)
         except ValueError as e:
-            raise ValueError(f"TensorCompressionConfig.target: got {entry.target}; {e}; allowed: a larger target") from None
+            raise ValueError(f"TensorCompressionConfig.target: got {m.budget(entry)}; {e}; allowed: a larger target") from None
         spent = sum(ladders[n][0][j] for n, j in rungs.items())
-        out[k] = {"rungs": rungs, "target": entry.target, "params_targeted": total, "params_kept": spent,
+        out[k] = {"rungs": rungs, "target": m.budget(entry), "params_targeted": total, "params_kept": spent,
                   "kept_fraction": round(spent / total, 6),
                   "kept_dense": sorted(f"{n}" for n, j in rungs.items() if j == len(ladders[n][0]) - 1)}
     return out

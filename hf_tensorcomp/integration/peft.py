@@ -25,7 +25,7 @@ import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as _LoraLinear
 
-from ..layers import EinSortLinear, HeadTuckerProjection, LowRankLinear, TensorSlice
+from ..layers import EinSortLinear, HeadTuckerProjection, LowRankLinear, QuantizedLowRankLinear, TensorSlice
 
 
 class LoraFactored(_LoraLinear):
@@ -46,7 +46,7 @@ class LoraFactored(_LoraLinear):
 
 
 class LoraLowRankLinear(LoraFactored):
-    """LoRA on a `LowRankLinear`, with merge/unmerge done in factor space."""
+    """LoRA on a `LowRankLinear` or a `QuantizedLowRankLinear` (its correction), merged in factor space."""
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
         from peft.tuners.tuners_utils import check_adapters_to_merge
@@ -77,7 +77,7 @@ class LoraLowRankLinear(LoraFactored):
                 base.bias.data -= self.lora_B[name].bias * self.scaling[name]
 
 
-CUSTOM_MODULES = {LowRankLinear: LoraLowRankLinear, TensorSlice: LoraFactored, HeadTuckerProjection: LoraFactored,
+CUSTOM_MODULES = {LowRankLinear: LoraLowRankLinear, QuantizedLowRankLinear: LoraLowRankLinear, TensorSlice: LoraFactored, HeadTuckerProjection: LoraFactored,
                   EinSortLinear: LoraFactored}
 
 

@@ -139,6 +139,11 @@ class Method:
         """True when `entry.target` is to be met by a global allocation over `ladder` rungs."""
         return False
 
+    def budget(self, entry) -> float:
+        """The fraction of the targeted modules' parameters an allocation may spend (`ladder` costs'
+        unit: parameters, or bf16 parameters' worth of bytes for methods whose budget is bytes)."""
+        return entry.target
+
     def ladder_needs(self, entry) -> frozenset:
         """Statistics the `target` allocation reads (gathered in a first pass over the dense model)."""
         return frozenset()

@@ -1,0 +1,89 @@
+"""`QuantizedLowRankLinear`: y = Q(W) x + B (A x) + b — a quantized weight plus a low-rank correction.
+
+The shape of a quantized base with a LoRA adapter (EoRA, QERA, LQ-LoRA, CALDERA): ``weight`` holds
+the integer codes of Q(W) (packed, with its per-group ``weight_scale`` / ``weight_zero``, see
+`FactorizedModule.quantize_factors`), ``lora_A`` (rank x in) and ``lora_B`` (out x rank) the
+correction, in the model's dtype or quantized too (``factor_bits``). The forward dequantizes Q(W)
+on the fly; the correction costs 2 r (in + out) flops per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import FactorizedModule, register_layer
+
+
+@register_layer
+class QuantizedLowRankLinear(FactorizedModule):
+    layer_type = "qlr"
+    spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "rank": "int>=0", "bias": "bool"}
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        if rank:
+            self.lora_A = nn.Parameter(torch.empty(rank, in_features, dtype=dtype, device=device))
+            self.lora_B = nn.Parameter(torch.empty(out_features, rank, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def build(cls, qweight, a: torch.Tensor | None, b: torch.Tensor | None, bias: torch.Tensor | None, dtype) -> "QuantizedLowRankLinear":
+        """From a quantized weight (`decompositions.quantize.QTensor`, out x in) and the correction B A."""
+        out_f, in_f = qweight.shape
+        rank = 0 if a is None else a.shape[0]
+        m = cls(in_f, out_f, rank, bias=bias is not None, dtype=dtype)
+        with torch.no_grad():
+            if rank:
+                m.lora_A.copy_(a.to(dtype))
+                m.lora_B.copy_(b.to(dtype))
+            if bias is not None:
+                m.bias.copy_(bias.to(dtype))
+        m.quantize_factors(qweight.bits, qweight.group_size, ["weight"], given={"weight": qweight})
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.rank:
+            y = y + F.linear(F.linear(x, self.lora_A), self.lora_B)
+        return y
+
+    def dense_weight(self) -> torch.Tensor:
+        w = self.weight
+        return w + self.lora_B @ self.lora_A if self.rank else w
+
+    def append_factors(self, u: torch.Tensor, v: torch.Tensor) -> None:
+        """Add ``u @ v`` (u: out x k, v: k x in) to the correction, growing its rank by k (LoRA merge)."""
+        if self.__dict__.get("_qfactors", {}).keys() & {"lora_A", "lora_B"}:
+            raise ValueError("LoRA merge: this layer's correction is quantized (factor_bits); allowed: keeping the adapter "
+                             "separate (peft_model.save_pretrained)")
+        dtype = self.__dict__["_qfactors"]["weight"][3] if "_qfactors" in self.__dict__ else self.weight.dtype
+        a = torch.cat([self.lora_A.data, v.to(self.lora_A)]) if self.rank else v.detach().to(dtype).clone()
+        b = torch.cat([self.lora_B.data, u.to(self.lora_B)], 1) if self.rank else u.detach().to(dtype).clone()
+        self.lora_A, self.lora_B = nn.Parameter(a), nn.Parameter(b)
+        self.rank = a.shape[0]
+
+    def truncate(self, rank: int) -> None:
+        """Drop the correction's factors beyond `rank` (the inverse of `append_factors`)."""
+        if rank == 0:
+            del self.lora_A, self.lora_B
+        else:
+            self.lora_A = nn.Parameter(self.lora_A.data[:rank].clone())
+            self.lora_B = nn.Parameter(self.lora_B.data[:, :rank].clone())
+        self.rank = rank
+
+    def spec(self) -> dict:
+        return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
+                "rank": self.rank, "bias": self.bias is not None}
+
+    @classmethod
+    def from_spec(cls, spec: dict, dtype=None, root=None) -> "QuantizedLowRankLinear":
+        return cls(spec["in_features"], spec["out_features"], spec["rank"], bias=spec["bias"], dtype=dtype)
+
+    def extra_repr(self) -> str:
+        q = self.__dict__.get("_qfactors", {}).get("weight")
+        bits = f", bits={q[0]}, group_size={q[1]}" if q else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}{bits}"

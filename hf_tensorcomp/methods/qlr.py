@@ -1,0 +1,169 @@
+"""``qlr``: a quantized weight plus a calibrated low-rank correction, W ≈ Q(W) + B A.
+
+Per matrix (EoRA / QERA, with LQ-LoRA's and CALDERA's alternation):
+
+1. Q = the quantizer's codes of W: ``quantizer="gptq"`` (default; error-compensating, reads the
+   layer's input Gram XᵀX) or ``"rtn"`` (round to nearest, data-free), ``bits`` per value in groups
+   of ``group_size`` with a float16 scale and an integer zero point (`decompositions.quantize`).
+2. B A = the best rank-``rank`` fit of the quantization error W - Q *in the whitened space of the
+   layer's input*: the SVD of (W - Q) S with S Sᵀ = XᵀX + λI, so what is minimised is the output
+   error ‖(W - Q - B A) Xᵀ‖ on the calibration inputs (``whiten=False``: plain Frobenius).
+3. ``rounds`` more times: re-quantize W - B A, refit B A to what is left.
+
+``target_bytes`` (instead of ``rank``): a fraction of the targeted matrices' bf16 bytes, allocated
+across all of them — bits (2, 4 or 8) and correction rank per matrix — by the same greedy rule as
+LASER's global budget, on the whitened error each setting leaves (estimated with round to nearest),
+never exceeding it. The correction costs 2 bytes a value (bf16), or ``factor_bits`` if set.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..decompositions.quantize import BITS, quantize_gptq, quantize_rtn, stored_bytes
+from ..decompositions.svd import whitened_svd, whitening_factor
+from ..layers import QuantizedLowRankLinear
+from ..validation import choices, fail, is_int, is_number
+from .base import Method, register_method
+
+QUANTIZERS = ("gptq", "rtn")
+RANK_RUNGS = (0, 8, 16, 32, 64, 128, 256)
+
+
+def _error(w: torch.Tensor, approx: torch.Tensor, s: torch.Tensor | None) -> float:
+    """Relative (whitened, if `s`) error of `approx` against `w`."""
+    d = (w - approx).double()
+    if s is not None:
+        return float((d @ s).norm() / (w.double() @ s).norm().clamp_min(1e-30))
+    return float(d.norm() / w.double().norm().clamp_min(1e-30))
+
+
+@register_method
+class QuantizedLowRank(Method):
+    name = "qlr"
+    default_targets = ("self_attn.*_proj", "mlp.*_proj")
+    default_rank = 32
+    supports_target = True
+    uses_group_size = True
+    layer_types = ("qlr",)
+    remedy = "more bits or a larger rank (check the weight: a quantized finite weight is never worse than zeros)"
+    option_defaults = {"bits": 4, "quantizer": "gptq", "whiten": True, "rounds": 2, "damping": 1e-4,
+                       "gptq_damping": 0.01, "target_bytes": None}
+
+    def validate_options(self, options):
+        o = super().validate_options(options)
+        if o["bits"] not in BITS or isinstance(o["bits"], bool):
+            fail("bits", o["bits"], " | ".join(map(str, BITS)) + " (integer bits per weight)")
+        if o["quantizer"] not in QUANTIZERS:
+            fail("quantizer", o["quantizer"], choices(QUANTIZERS))
+        if not isinstance(o["whiten"], bool):
+            fail("whiten", o["whiten"], "True (fit the correction to the output error on the calibration inputs) | False")
+        if not is_int(o["rounds"], 0) or o["rounds"] > 20:
+            fail("rounds", o["rounds"], "an int in [0, 20] (re-quantize / refit alternations after the first fit)")
+        for key in ("damping", "gptq_damping"):
+            if not is_number(o[key]) or not 0 <= o[key] <= 10:
+                fail(key, o[key], "a number in [0, 10]")
+        t = o["target_bytes"]
+        if t is not None and (not is_number(t) or not 0 < t < 1):
+            fail("target_bytes", t, "None, or a float in (0, 1): the fraction of the targeted matrices' bf16 bytes kept")
+        return o
+
+    def validate_rank(self, rank, options):
+        if options.get("target_bytes") is not None:
+            if rank is not None and rank != self.default_rank:
+                fail("rank", rank, "None with target_bytes= (bits and ranks are allocated)")
+            return None
+        if not is_int(rank, 0):
+            fail("rank", rank, "an int >= 0 (the correction's rank; 0: the quantizer alone)")
+        return rank
+
+    def validate_target(self, target, options):
+        fail("target", target, "None: qlr's budget is target_bytes= (a fraction of the bf16 bytes)")
+
+    def needs(self, entry):
+        o = entry.options
+        return frozenset({"gram"} if o["whiten"] or o["quantizer"] == "gptq" else set())
+
+    def allocates(self, entry):
+        return entry.options["target_bytes"] is not None
+
+    def ladder_needs(self, entry):
+        return frozenset({"gram"} if entry.options["whiten"] else set())
+
+    def budget(self, entry) -> float:
+        return entry.options["target_bytes"]
+
+    # ------------------------------------------------------------------ the fit
+    def _whitening(self, stats, entry):
+        if not entry.options["whiten"]:
+            return None
+        if stats is None or stats.gram is None:
+            raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration=")
+        return whitening_factor(stats.gram, entry.options["damping"])
+
+    def _quantize(self, w, bits, entry, stats):
+        o = entry.options
+        if o["quantizer"] == "gptq":
+            return quantize_gptq(w, stats.gram, bits, entry.group_size, o["gptq_damping"])
+        return quantize_rtn(w, bits, entry.group_size)
+
+    def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s) -> tuple:
+        """(QTensor, A, B) for one matrix: quantize, fit the correction, alternate."""
+        w = w.detach().float()
+        q = self._quantize(w, bits, entry, stats)
+        a = b = None
+        for k in range(1 + entry.options["rounds"] if rank else 0):
+            if k:
+                q = self._quantize(w - b @ a, bits, entry, stats)
+            b, a, _ = whitened_svd(w - q.dequantize(), rank, s)
+        return q, a, b
+
+    def _rung_bytes(self, lin, bits, rank, entry) -> float:
+        i, o = lin.in_features, lin.out_features
+        corr_bits = entry.factor_bits or 16
+        return stored_bytes(i * o, bits, entry.group_size) + rank * (i + o) * corr_bits / 8
+
+    def ladder(self, name, module, stats, entry):
+        """Rungs (bits, rank) on the Pareto front of (bytes, whitened error), costs in bf16 parameters
+        (bytes / 2) so that the budget is `target_bytes` x the targeted parameters."""
+        s = self._whitening(stats, entry)
+        w = module.weight.detach().float()
+        ref = (w.double() @ s).pow(2).sum() if s is not None else w.double().pow(2).sum()
+        points = []
+        for bits in BITS:
+            e = w - quantize_rtn(w, bits, entry.group_size).dequantize()
+            ew = (e.double() @ s) if s is not None else e.double()
+            sv2 = torch.linalg.svdvals(ew).pow(2)
+            tail = sv2.flip(0).cumsum(0).flip(0).tolist() + [0.0]
+            for r in RANK_RUNGS:
+                if r < min(w.shape) // 2:
+                    points.append((self._rung_bytes(module, bits, r, entry) / 2, tail[r] / float(ref), (bits, r)))
+        points.sort()
+        front = []
+        for cost, loss, setting in points:
+            if not front or loss < front[-1][1]:
+                front.append((cost, loss, setting))
+        entry.__dict__.setdefault("_rungs", {})[name] = [p[2] for p in front]
+        return [p[0] for p in front], [p[1] for p in front]
+
+    def compress(self, modules, entry, ctx):
+        out = {}
+        for name, lin in modules.items():
+            stats = (ctx.stats or {}).get(name)
+            if ctx.ranks is not None:
+                bits, rank = entry.__dict__["_rungs"][name][ctx.ranks[name]]
+            else:
+                bits, rank = entry.options["bits"], min(entry.rank, min(lin.weight.shape))
+            if lin.in_features % entry.group_size and entry.options["quantizer"] == "gptq":
+                fail("group_size", entry.group_size, f"a divisor of {name}'s input size {lin.in_features} (GPTQ)")
+            s = self._whitening(stats, entry)
+            q, a, b = self.fit(lin.weight, bits, rank, entry, stats, s)
+            bias = None if lin.bias is None else lin.bias.detach()
+            new = QuantizedLowRankLinear.build(q, a, b, bias, lin.weight.dtype)
+            w = lin.weight.detach().float()
+            approx = new.dense_weight().detach().float()
+            out[name] = (new, {"bits": bits, "rank": rank, "group_size": entry.group_size,
+                               "rel_error": round(_error(w, approx, None), 6),
+                               "whitened_error": round(_error(w, approx, s), 6) if s is not None else None,
+                               "quant_only_error": round(_error(w, q.dequantize(), s), 6)})
+        return out

@@ -1,0 +1,176 @@
+"""Quantization: the quantizers and packing, quantized factors on every factored layer, and ``qlr``
+(a quantized weight plus a calibrated low-rank correction)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from hf_tensorcomp import TensorCompressionConfig
+from hf_tensorcomp.decompositions.quantize import pack, quantize_gptq, quantize_rtn, stored_bytes, unpack
+from hf_tensorcomp.decompositions.svd import whitened_svd, whitening_factor
+from hf_tensorcomp.layers import QuantizedLowRankLinear
+from tiny import VOCAB
+
+
+def calib(n=8, length=32):
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 128, generator=g)
+    x = torch.randn(4000, 128, generator=g) @ torch.randn(128, 128, generator=g)
+    return w, x
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_round_trip_within_half_a_step(data, bits):
+    w, _ = data
+    q = quantize_rtn(w, bits, 64)
+    step = q.scale.float().repeat_interleave(64)[: w.numel()].view_as(w)
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    assert int(q.codes.max()) <= 2**bits - 1 and int(q.zero.max()) <= 2**bits - 1
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_packing_is_exact_and_dense(bits):
+    codes = torch.randint(0, 2**bits, (1024,), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.numel() == 1024 * bits // 8 and torch.equal(unpack(packed, bits), codes)
+
+
+def test_gptq_beats_round_to_nearest_on_the_output_error(data):
+    w, x = data
+    gram = x.T @ x
+    err = {name: ((w - q.dequantize()) @ x.T).norm() for name, q in
+           (("rtn", quantize_rtn(w, 4, 64)), ("gptq", quantize_gptq(w, gram, 4, 64)))}
+    assert err["gptq"] < 0.9 * err["rtn"]
+
+
+def _qlr(tiny_dirs, **kw):
+    cfg = TensorCompressionConfig(method="qlr", calibration=calib(), progress=False, **{"group_size": 16, **kw})
+    return AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg).eval()
+
+
+def test_rank_zero_is_the_plain_quantizer(tiny_dirs):
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    m = _qlr(tiny_dirs, rank=0, quantizer="rtn", whiten=False)
+    layer = m.model.layers[1].mlp.up_proj
+    assert isinstance(layer, QuantizedLowRankLinear) and layer.rank == 0
+    w = dense.model.layers[1].mlp.up_proj.weight.detach()
+    assert torch.equal(layer.dense_weight(), quantize_rtn(w, 4, 16).dequantize())
+
+
+def test_correction_is_the_whitened_closed_form_and_lowers_the_error(tiny_dirs):
+    from hf_tensorcomp.calibration import LayerwiseRunner
+
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    m = _qlr(tiny_dirs, rank=4, quantizer="rtn", rounds=0, propagate=False)
+    # layer 0's inputs are the same for the dense and the compressed model: the Gram of its MLP input
+    grams = {}
+    runner = LayerwiseRunner(dense, "model.layers", dense.model.layers, calib(), 8)
+    runner.run({0: {"0.mlp.up_proj": frozenset({"gram"})}}, lambda li, st: grams.update(st) and False, last=0,
+               progress=False)
+    w = dense.model.layers[0].mlp.up_proj.weight.detach()
+    s = whitening_factor(grams["0.mlp.up_proj"].gram, 1e-4)
+    q = quantize_rtn(w, 4, 16).dequantize()
+    u, v, _ = whitened_svd(w - q, 4, s)
+    layer = m.model.layers[0].mlp.up_proj
+    assert torch.allclose(layer.lora_B @ layer.lora_A, u @ v, atol=1e-5)
+    st = m.config.quantization_config.stats["modules"]["model.layers.0.mlp.up_proj"]
+    assert st["whitened_error"] < st["quant_only_error"]
+
+
+def test_full_rank_correction_is_exact(tiny_dirs):
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    m = _qlr(tiny_dirs, rank=48, bits=2, rounds=0)
+    w = dense.model.layers[2].mlp.down_proj.weight.detach()
+    assert torch.allclose(m.model.layers[2].mlp.down_proj.dense_weight(), w, atol=1e-4)
+
+
+def test_alternation_does_not_raise_the_whitened_error(tiny_dirs):
+    one = _qlr(tiny_dirs, rank=4, rounds=0).config.quantization_config.stats["modules"]
+    three = _qlr(tiny_dirs, rank=4, rounds=2).config.quantization_config.stats["modules"]
+    assert sum(v["whitened_error"] for v in three.values()) <= sum(v["whitened_error"] for v in one.values()) * 1.001
+
+
+def _tensor_bytes(folder) -> int:
+    total = 0
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            t = f.get_tensor(k)
+            total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("method, kw", [
+    ("qlr", {"rank": 8}), ("qlr", {"target_bytes": 0.3}), ("qlr", {"rank": 8, "factor_bits": 8}),
+    ("laser", {"rank": 8, "factor_bits": 4}), ("laser", {"rank": 8, "factor_bits": 8}),
+    ("trawl", {"rank": 8, "factor_bits": 4}), ("tensorllm", {"ratio": 2.0, "factor_bits": 4}),
+    ("einsort", {"target": 0.5, "factor_bits": 4}),
+])
+def test_save_reload_identical_and_bytes_are_the_bytes_saved(tiny_dirs, tmp_path, ids, method, kw):
+    cfg = TensorCompressionConfig(method=method, progress=False, group_size=16, calibration=calib(), **kw) \
+        if method == "qlr" else TensorCompressionConfig(method=method, progress=False, group_size=16, **kw)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg).eval()
+    with torch.no_grad():
+        ref = m(ids).logits
+    m.save_pretrained(tmp_path)
+    st = m.config.quantization_config.stats
+    assert st["bytes_after"] == _tensor_bytes(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ref)
+
+
+def test_quantized_factors_shrink_laser_and_none_changes_nothing(tiny_dirs):
+    plain = TensorCompressionConfig(method="laser", rank=8, progress=False)
+    assert "factor_bits" not in plain.to_dict()["entries"][0]  # checkpoints of today stay byte-identical
+    sizes = {}
+    for bits in (None, 8, 4):
+        m = AutoModelForCausalLM.from_pretrained(
+            tiny_dirs["llama"], quantization_config=TensorCompressionConfig(method="laser", rank=8, factor_bits=bits,
+                                                                            group_size=16, progress=False))
+        layer = m.model.layers[0].mlp.up_proj
+        sizes[bits] = sum(b.numel() * b.element_size() for b in [*layer.parameters(), *layer.buffers()])
+    r, i, o = 8, 48, 96
+    assert sizes[None] == r * (i + o) * 4
+    assert sizes[8] == stored_bytes(r * (i + o), 8, 16) and sizes[4] == stored_bytes(r * (i + o), 4, 16)
+
+
+def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):
+    from peft import get_peft_model
+
+    from hf_tensorcomp.integration.peft import lora_config
+
+    m = _qlr(tiny_dirs, rank=4)
+    peft_model = get_peft_model(m, lora_config(r=2, target_modules=["up_proj"]))
+    opt = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=0.1)
+    loss = peft_model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        ref = peft_model(ids).logits
+    merged = peft_model.merge_and_unload()
+    assert merged.model.layers[0].mlp.up_proj.rank == 6
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"method": "laser", "rank": 4, "factor_bits": 3}, "factor_bits"),
+    ({"method": "laser", "rank": 4, "factor_bits": 4, "group_size": 8}, "group_size"),
+    ({"method": "laser", "rank": 4, "factor_bits": 4, "mode": "dense"}, "factor_bits"),
+    ({"method": "qlr", "bits": 3, "calibration": "wikipedia"}, "bits"),
+    ({"method": "qlr", "quantizer": "hqq", "calibration": "wikipedia"}, "quantizer"),
+    ({"method": "qlr", "target_bytes": 1.5, "calibration": "wikipedia"}, "target_bytes"),
+    ({"method": "qlr", "rank": -1, "calibration": "wikipedia"}, "rank"),
+    ({"method": "qlr"}, "calibration"),
+])
+def test_bad_quantization_settings_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: got"):
+        TensorCompressionConfig(**kw)
