@@ -23,6 +23,7 @@ Plus decode time per token (batch 1, single-token steps, interleaved round-robin
 to DynamicCache, and bytes per token.
 
     python benchmarks/kv_cache.py --recipe recipes/kv_cache_benchmark.json
+    python benchmarks/kv_cache.py --scaling     # bytes and decode time against the context length
 
 Writes benchmarks/results/kv_cache.json, kv_cache.md and kv_cache.png.
 """
@@ -223,13 +224,66 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+SCALING_LENGTHS = (128, 256, 512, 1024)
+
+
+@torch.inference_mode()
+def scaling(lengths=SCALING_LENGTHS, steps: int = 16, rank: float = 0.25, threads: int = 2) -> list[dict]:
+    """Bytes held and decode time per token against the context length, batch 1: DynamicCache, the
+    EinSortCache default (packed segments only, rebuilt every step), EinSortCache keeping the rebuilt
+    segments, and QuantizedCache (quanto, 4 and 2 bits, groups of 64). Each cache is filled by one
+    prefill of `length` tokens of Wikipedia text, then timed over `steps` single-token steps."""
+    torch.set_num_threads(threads)
+    path = model_path("smollm2")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = tok("\n\n".join(load_text("wikipedia", "eval")), return_tensors="pt").input_ids[:, : max(lengths) + steps]
+    makers = {
+        "dynamic": lambda: DynamicCache(config=model.config),
+        "einsort default": lambda: EinSortCache(model.config, rank=rank),
+        "einsort keep rebuilt": lambda: EinSortCache(model.config, rank=rank, low_memory=False),
+        "quanto 4-bit": lambda: QuantizedCache("quanto", model.config, nbits=4, q_group_size=64, residual_length=64),
+        "quanto 2-bit": lambda: QuantizedCache("quanto", model.config, nbits=2, q_group_size=64, residual_length=64),
+    }
+    rows = []
+    for length in lengths:
+        dense = dense_bytes(model, 1, length + steps)
+        for name, make in makers.items():
+            cache = make()
+            model(ids[:, :length], past_key_values=cache, use_cache=True)
+            t0 = time.perf_counter()
+            for t in range(length, length + steps):
+                model(ids[:, t: t + 1], past_key_values=cache, use_cache=True)
+            ms = (time.perf_counter() - t0) / steps * 1e3
+            rows.append({"cache": name, "length": length, "ms_per_token": ms, "bytes": cache_bytes(cache),
+                         "bytes_vs_dynamic": cache_bytes(cache) / dense})
+            print(rows[-1], flush=True)
+    base = {r["length"]: r["ms_per_token"] for r in rows if r["cache"] == "dynamic"}
+    for r in rows:
+        r["time_vs_dynamic"] = r["ms_per_token"] / base[r["length"]]
+    write_json("kv_cache_scaling.json", rows)
+    (RESULTS / "kv_cache_scaling.md").write_text(
+        "# KV cache: bytes held and decode time per token against the context length\n\n"
+        f"SmolLM2-135M (float32), batch 1, {threads} threads; one prefill of the length, then {steps} single-token steps "
+        f"timed. EinSortCache at rank {rank} (byte fraction per segment), segment 64, residual 64. "
+        "Written by `benchmarks/kv_cache.py --scaling`.\n\n"
+        + markdown_table(rows, [("cache", "cache", "{}"), ("length", "length", "{}"), ("bytes", "bytes held", "{:,}"),
+                                ("bytes_vs_dynamic", "bytes vs DynamicCache", "{:.3f}"),
+                                ("ms_per_token", "ms / token", "{:.1f}"), ("time_vs_dynamic", "time vs DynamicCache", "{:.2f}x")])
+        + "\n")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scaling", action="store_true", help="bytes and ms/token against the context length only")
     ap.add_argument("--recipe", type=Path, help="JSON overriding DEFAULT_RECIPE's keys")
     ap.add_argument("--windows", type=int)
     ap.add_argument("--out", default="kv_cache", help="result file stem under benchmarks/results")
     ap.add_argument("--report-only", action="store_true", help="rewrite the .md/.png (and summary) from the .json")
     args = ap.parse_args(argv)
+    if args.scaling:
+        return scaling()
     if args.report_only:
         return report(args.out)
     recipe = dict(DEFAULT_RECIPE)

@@ -66,7 +66,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
     for _, names in work:  # every dense weight checked before any work (allocation reads them all)
         checks.check_inputs({n: layer_list.get_submodule(n) for n in names}, prefix)
     params_before = sum(p.numel() for p in model.parameters())
-    bytes_before = stored_bytes(model)
+    bytes_before = model_bytes(model)
     t0 = time.perf_counter()
     methods = [get_method(e.method) for e in config.entries]
     was_training = model.training
@@ -168,7 +168,7 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
     return module_stats
 
 
-def stored_bytes(model: nn.Module) -> int:
+def model_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and saved buffer as the model holds them (what a checkpoint stores, tied
     tensors once): packed codes, scales and zero points included."""
     seen, total = set(), 0
@@ -194,7 +194,7 @@ def record(model: nn.Module, config: TensorCompressionConfig, before: tuple[int,
         "params_before": before[0],
         "params_after": sum(p.numel() for p in model.parameters()),
         "bytes_before": before[1],
-        "bytes_after": stored_bytes(model),
+        "bytes_after": model_bytes(model),
         "compress_seconds": round(seconds, 3),
         "modules": module_stats,
     }

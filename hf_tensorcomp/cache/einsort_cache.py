@@ -31,10 +31,11 @@ Per full-attention layer (`EinSortLayer`), for keys and values alike::
 - Each compressed segment is held packed, exactly as `EinSortTensor.to_dict` gives it: factor
   entries at the factor dtype (block-identity blocks left out), pivot indices, permutation indices
   and sign bits bit-packed in uint8 tensors. `nbytes()` is the sum of those tensors plus the window
-  (and the ordinary layers' states), so it is what the cache holds. A segment is unpacked and
-  rebuilt once, when attention first needs it, and kept (``storage()["rebuilt"]``); with
-  ``low_memory=True`` nothing rebuilt is kept and every step rebuilds all segments (like
-  `QuantizedLayer` dequantizes every step).
+  (and the ordinary layers' states), so it is what the cache holds. By default (``low_memory=True``)
+  nothing rebuilt is kept: every step rebuilds all segments (like `QuantizedLayer` dequantizes every
+  step), so the cache holds fewer bytes than `DynamicCache` at every length past the first segment;
+  ``low_memory=False`` keeps each rebuilt segment (``storage()["rebuilt"]``): faster, but then the
+  packed and the rebuilt states together outweigh the dense ones.
 - Batch rows are compressed independently (one fit per row and segment), so beam reordering,
   `batch_repeat_interleave` and `batch_select_indices` are exact: they re-index the rows' lists.
   Padded positions are cached like any other (their attention mask still hides them).
@@ -87,12 +88,12 @@ class EinSortCacheSettings:
     dtype: torch.dtype | None = None
     steps: int = 0
     n_iter_max: int = 100
-    low_memory: bool = False
+    low_memory: bool = True
 
     @classmethod
     def build(cls, network="svd", rank=8, segment=64, residual=64, sort="shared", sort_span="channel",
               nonnegative=True, mapping=("pow", 0.5), reduction="prod", gauge="auto", dtype=None, steps=0,
-              n_iter_max=100, low_memory=False) -> "EinSortCacheSettings":
+              n_iter_max=100, low_memory=True) -> "EinSortCacheSettings":
         if network not in NETWORKS:
             fail("network", network, " | ".join(map(repr, NETWORKS)))
         if is_int(rank):
@@ -134,7 +135,8 @@ class EinSortCacheSettings:
         if not is_int(n_iter_max) or n_iter_max < 1:
             fail("n_iter_max", n_iter_max, "an int >= 1 (CP-ALS / HOOI iterations)")
         if not isinstance(low_memory, bool):
-            fail("low_memory", low_memory, "True (rebuild the segments at every step) | False (keep each rebuilt segment)")
+            fail("low_memory", low_memory, "True (default: rebuild the segments at every step, hold only the packed "
+                 "bytes) | False (also keep each rebuilt segment: faster, but more bytes than DynamicCache)")
         return cls(network=network, rank=rank, segment=segment, residual=residual, sort=sort, sort_span=sort_span,
                    nonnegative=nonnegative, mapping=mapping, reduction=reduction, gauge=gauge, dtype=dtype,
                    steps=steps, n_iter_max=n_iter_max, low_memory=low_memory)
@@ -420,11 +422,12 @@ class EinSortCache(Cache):
             `einsort.fit`. gauge: ``"auto"`` (block identity where the network has one), ``None``,
             ``"canonical"`` or ``"block_identity"``.
         dtype: factor dtype (default: the states' dtype). steps / n_iter_max: `einsort.fit` settings.
-        low_memory: False (default): each compressed segment is rebuilt once, when attention first
-            needs it, and the rebuilt states are kept (time per token like `DynamicCache`; memory: the
-            packed segments plus the rebuilt ones, `storage()["rebuilt"]`). True: only the packed
-            segments are kept and all are rebuilt at every step (memory of the packed bytes, time per
-            token growing with the number of segments).
+        low_memory: True (default): only the packed segments are kept and all are rebuilt at every
+            step, as `QuantizedCache` dequantizes every step (memory: the packed bytes, always fewer
+            than `DynamicCache` holds; time per token: one rebuild of every segment, linear in the
+            length like attention itself). False: each segment is also kept rebuilt once attention
+            first needs it (time per token like `DynamicCache`, but the cache then holds the packed
+            and the rebuilt states, *more* bytes than `DynamicCache`; only for speed comparisons).
 
     A float ``rank`` too small for one segment (the permutation and sign bits alone exceed it) fails
     here, computed for the config's KV heads and head_dim at the config's dtype (float32 if unset);
@@ -434,7 +437,7 @@ class EinSortCache(Cache):
     def __init__(self, config=None, network: str = "svd", rank: int | float = 8, segment: int = 64, residual: int = 64,
                  *, sort: str | None = "shared", sort_span: str = "channel", nonnegative: bool = True,
                  mapping=("pow", 0.5), reduction: str = "prod", gauge: str | None = "auto",
-                 dtype: torch.dtype | None = None, steps: int = 0, n_iter_max: int = 100, low_memory: bool = False):
+                 dtype: torch.dtype | None = None, steps: int = 0, n_iter_max: int = 100, low_memory: bool = True):
         self.settings = EinSortCacheSettings.build(network=network, rank=rank, segment=segment, residual=residual,
                                                    sort=sort, sort_span=sort_span, nonnegative=nonnegative,
                                                    mapping=mapping, reduction=reduction, gauge=gauge, dtype=dtype,

@@ -1,9 +1,9 @@
 """Group-wise integer quantization: round to nearest, GPTQ, and the packed storage both share.
 
 Format (own, plain safetensors; chosen over the libraries' formats because none of them saves and
-reloads on CPU with transformers 5 here, see the README): a tensor is flattened, padded to a multiple
-of ``group_size`` and cut into groups of consecutive values (for an ``(out, in)`` weight with
-``group_size | in``: groups along each row, the usual layout). Each group has a float16 ``scale`` and
+reloads on CPU with transformers 5 here, see the README): each row of a tensor (its last dim; a 1-D
+tensor is one row) is cut into groups of ``group_size`` consecutive values, the last one padded (for
+an ``(out, in)`` weight: groups along each row, the usual layout). Each group has a float16 ``scale`` and
 an **integer** zero point ``zero`` in ``[0, 2^bits - 1]``; a value is ``(code - zero) * scale``.
 Integer zero points are what GPTQ / compressed-tensors loaders expect, and they do not reproduce the
 GGUF Q4_1 blocks (float minimum) of the bundled models by accident. Codes of 2, 4 or 8 bits are packed
@@ -26,29 +26,48 @@ BITS = (2, 4, 8)
 
 @dataclass
 class QTensor:
-    """A quantized tensor: codes (unpacked, uint8, flattened and padded), per-group scale and zero."""
+    """A quantized tensor: codes (unpacked uint8, row by row, each row padded to whole groups) with a
+    scale and a zero point per group; rows are the tensor's leading dims flattened (a 1-D tensor is one row)."""
 
-    codes: torch.Tensor  # (n_groups * group_size,) uint8
-    scale: torch.Tensor  # (n_groups,) float16
-    zero: torch.Tensor  # (n_groups,) uint8
+    codes: torch.Tensor  # (rows * groups_per_row * group_size,) uint8
+    scale: torch.Tensor  # (rows * groups_per_row,) float16
+    zero: torch.Tensor  # (rows * groups_per_row,) uint8
     bits: int
     group_size: int
     shape: tuple[int, ...]
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        rows, cols = _rows_cols(self.shape)
         g = self.codes.view(-1, self.group_size).to(dtype)
         w = (g - self.zero.to(dtype)[:, None]) * self.scale.to(dtype)[:, None]
-        return w.reshape(-1)[: math.prod(self.shape)].reshape(self.shape)
+        return w.view(rows, -1)[:, :cols].reshape(self.shape)
 
 
-def n_groups(numel: int, group_size: int) -> int:
-    return -(-numel // group_size)
+def _rows_cols(shape) -> tuple[int, int]:
+    cols = shape[-1] if len(shape) else 1
+    return math.prod(shape) // max(cols, 1), cols
 
 
-def stored_bytes(numel: int, bits: int, group_size: int) -> int:
+def n_groups(shape, group_size: int) -> int:
+    """Groups of a tensor of `shape`: each row (the last dim) cut into groups, the last one padded."""
+    rows, cols = _rows_cols(tuple(shape))
+    return rows * -(-cols // group_size)
+
+
+def stored_bytes(shape, bits: int, group_size: int) -> int:
     """Bytes of a quantized tensor as saved: packed codes + a float16 scale and a uint8 zero per group."""
-    groups = n_groups(numel, group_size)
+    groups = n_groups(shape, group_size)
     return groups * group_size * bits // 8 + groups * 3
+
+
+def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(groups, group_size) view of `w`, each row padded with zeros to whole groups."""
+    rows, cols = _rows_cols(tuple(w.shape))
+    flat = w.reshape(rows, cols)
+    pad = -cols % group_size
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(rows, pad)], 1)
+    return flat.reshape(-1, group_size)
 
 
 def _grid(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +93,7 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int) -> QTensor:
     """Round to nearest on the min-max grid of each group (the plain quantizer)."""
     if bits not in BITS:
         raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
-    flat = w.detach().reshape(-1).float()
-    pad = n_groups(flat.numel(), group_size) * group_size - flat.numel()
-    groups = torch.cat([flat, flat.new_zeros(pad)]).view(-1, group_size)
+    groups = _groups(w.detach().float(), group_size)
     scale, zero = _grid(groups, bits)
     codes = _codes(groups, scale, zero, bits)
     return QTensor(codes.to(torch.uint8).reshape(-1), scale.half(), zero.to(torch.uint8), bits, group_size, tuple(w.shape))
@@ -87,14 +104,12 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: in
     over the columns not yet quantized so that ‖(W - Q) Xᵀ‖ stays small (``gram`` = XᵀX, in x in).
 
     Each group's grid is taken from the (updated) weights when the quantizer reaches the group, as in
-    the reference implementation; ``group_size`` must divide ``in``. Dead inputs (zero Gram diagonal)
+    the reference implementation (the last group of a row may be shorter). Dead inputs (zero Gram diagonal)
     get a unit diagonal and their weights are quantized as they are.
     """
     if bits not in BITS:
         raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
     out_f, in_f = w.shape
-    if in_f % group_size:
-        raise ValueError(f"group_size: got {group_size}; allowed: a divisor of the input size {in_f}")
     W = w.detach().double().clone()
     H = gram.detach().double().clone()
     dead = H.diagonal() == 0
@@ -102,7 +117,7 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: in
     H.diagonal().add_(damping * H.diagonal().mean())
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     codes = torch.zeros_like(W)
-    scales = torch.zeros(out_f, in_f // group_size, dtype=torch.float64)
+    scales = torch.zeros(out_f, -(-in_f // group_size), dtype=torch.float64)
     zeros = torch.zeros_like(scales)
     block = group_size * max(1, 128 // group_size)  # whole groups per block: a group's grid sees its updated weights
     for i1 in range(0, in_f, block):
@@ -123,6 +138,7 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: in
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    codes = _groups(codes, group_size)  # rows padded to whole groups, as `quantize_rtn` stores them
     return QTensor(codes.to(torch.uint8).reshape(-1), scales.reshape(-1).half(), zeros.reshape(-1).to(torch.uint8),
                    bits, group_size, (out_f, in_f))
 

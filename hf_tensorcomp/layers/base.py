@@ -107,7 +107,7 @@ class FactorizedModule(nn.Module):
         q = self.__dict__.setdefault("_qfactors", {})
         for n in self.quantizable(group_size) if names is None else names:
             p = self._parameters.pop(n)
-            groups = n_groups(p.numel(), group_size)
+            groups = n_groups(p.shape, group_size)
             if p.is_meta:
                 codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8, device="meta")
                 scale = torch.empty(groups, dtype=torch.float16, device="meta")

@@ -121,7 +121,7 @@ class QuantizedLowRank(Method):
     def _rung_bytes(self, lin, bits, rank, entry) -> float:
         i, o = lin.in_features, lin.out_features
         corr_bits = entry.factor_bits or 16
-        return stored_bytes(i * o, bits, entry.group_size) + rank * (i + o) * corr_bits / 8
+        return stored_bytes((o, i), bits, entry.group_size) + rank * (i + o) * corr_bits / 8
 
     def ladder(self, name, module, stats, entry):
         """Rungs (bits, rank) on the Pareto front of (bytes, whitened error), costs in bf16 parameters
@@ -154,8 +154,6 @@ class QuantizedLowRank(Method):
                 bits, rank = entry.__dict__["_rungs"][name][ctx.ranks[name]]
             else:
                 bits, rank = entry.options["bits"], min(entry.rank, min(lin.weight.shape))
-            if lin.in_features % entry.group_size and entry.options["quantizer"] == "gptq":
-                fail("group_size", entry.group_size, f"a divisor of {name}'s input size {lin.in_features} (GPTQ)")
             s = self._whitening(stats, entry)
             q, a, b = self.fit(lin.weight, bits, rank, entry, stats, s)
             bias = None if lin.bias is None else lin.bias.detach()

@@ -1,0 +1,272 @@
+"""Stacking with quantization: quantized weights plus a calibrated low-rank correction (``qlr``), quantized
+LASER factors, and the peers a user would pick instead, on perplexity against bytes.
+
+Every decoder-layer linear of each model; calibration on the Wikipedia *calib* split; perplexity on the
+Wikipedia *eval* split (in-domain) and on OpenWebText's eval split (text of another kind: compression
+tuned to one kind of text must hold on another). Bytes: the decoder linears' stored bytes (codes,
+float16 scales and zero points, corrections at bf16) relative to their bf16 bytes, and the whole model
+at bf16 (embeddings included). Both bundled models are de-quantized 4-bit GGUF files (SmolLM2-135M
+Q4_1, Gemma-3-270M Q4_K_M, blocks of 32): every quantizer here uses groups of >= 64 and integer zero
+points, which do not ride on those blocks. Each row runs in a child process (its own peak memory).
+
+Peers: optimum-quanto int8 / int4 weight-only (round to nearest; int4 in groups of 128), and GPTQ int4
+g128 (the calibrated peer: this library's own implementation, the row ``gptq4``; GPTQModel itself is
+not run here, it pins another torch).
+
+    python benchmarks/quantized.py                 # the grid (rows already in the JSON are kept)
+    python benchmarks/quantized.py --report-only   # table and plot from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, decode_tokens_per_s, load_recipe, markdown_table, write_json  # noqa: E402
+
+NAME = "quantized"
+DEFAULTS = {
+    "models": ["smollm2", "gemma3"],
+    "rows": ["dense", "quanto_int8", "quanto_int4", "rtn4", "gptq4", "rtn4_r32", "qlr4_r16", "qlr4_r32",
+             "qlr_bytes_0.21", "qlr_bytes_0.27", "qlr_bytes_0.33", "laser0.6_f8", "laser0.6_f4", "laser0.8"],
+    "eval_tokens": 8192,
+    "calibration_samples": 32,
+    "calibration_length": 256,
+    "group_size": 128,
+    "speed_rows": ["dense", "quanto_int4", "qlr4_r32"],
+    "bigbench_examples": 0,
+    "bigbench_rows": ["dense", "quanto_int4", "gptq4", "qlr4_r32"],
+    "threads": 2,
+}
+ROWS = {  # label -> TensorCompressionConfig fields
+    "rtn4": {"method": "qlr", "rank": 0, "quantizer": "rtn", "whiten": False},
+    "gptq4": {"method": "qlr", "rank": 0},
+    "rtn4_r32": {"method": "qlr", "rank": 32, "quantizer": "rtn"},
+    "qlr4_r16": {"method": "qlr", "rank": 16},
+    "qlr4_r32": {"method": "qlr", "rank": 32},
+    "qlr_bytes_0.21": {"method": "qlr", "target_bytes": 0.21},
+    "qlr_bytes_0.27": {"method": "qlr", "target_bytes": 0.27},
+    "qlr_bytes_0.33": {"method": "qlr", "target_bytes": 0.33},
+    "laser0.6_f8": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 8},
+    "laser0.6_f4": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 4},
+    "laser0.8": {"method": "laser", "target": 0.8, "whiten": True, "weighting": "fisher"},
+}
+
+
+def _linear_bytes(model) -> tuple[int, int]:
+    """(stored bytes, bf16 bytes) of the decoder layers' linears: float tensors counted at bf16 (the model
+    as shipped), integer codes and float16 scales as stored; quanto weights by their bits and scales."""
+    import torch
+
+    from hf_tensorcomp.layers import FactorizedModule
+    from hf_tensorcomp.plan import find_decoder_layers
+
+    _, layers = find_decoder_layers(model)
+    stored = dense = 0
+    for m in layers.modules():
+        if isinstance(m, FactorizedModule) and hasattr(m, "in_features"):
+            dense += m.in_features * m.out_features * 2
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+                stored += t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
+        elif isinstance(m, torch.nn.Linear):
+            dense += m.weight.numel() * 2
+            bits = getattr(m, "_bench_bits", 16)
+            n = m.weight.numel()
+            stored += n * 2 if bits == 16 else n + m.out_features * 2 if bits == 8 else n // 2 + n // 128 * 4
+    return stored, dense
+
+
+def _model_bytes(model, linear_stored: int, linear_dense: int) -> int:
+    """The whole model at bf16 with the decoder linears as stored (tied embeddings once)."""
+    return sum(p.numel() * 2 for p in model.parameters()) - _float_linear_bytes(model) + linear_stored
+
+
+def _float_linear_bytes(model) -> int:
+    import torch
+
+    from hf_tensorcomp.layers import FactorizedModule
+    from hf_tensorcomp.plan import find_decoder_layers
+
+    _, layers = find_decoder_layers(model)
+    return sum(p.numel() * 2 for m in layers.modules() if isinstance(m, (torch.nn.Linear, FactorizedModule))
+               and hasattr(m, "in_features") for p in m.parameters(recurse=False))
+
+
+def _quanto(model, bits: int) -> None:
+    from optimum.quanto import freeze, qint4, qint8, quantize
+
+    from hf_tensorcomp.plan import find_decoder_layers
+
+    import torch
+
+    _, layers = find_decoder_layers(model)
+    for m in layers.modules():
+        if isinstance(m, torch.nn.Linear):
+            m._bench_bits = bits
+    quantize(layers, weights={8: qint8, 4: qint4}[bits])
+    freeze(layers)
+
+
+def _one(job: dict, q) -> None:
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    os.environ["HF_TENSORCOMP_THREADS"] = str(job["threads"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_tensorcomp import TensorCompressionConfig, assets
+    from hf_tensorcomp.eval import perplexity
+
+    path = assets.model_path(job["model"])
+    tok = AutoTokenizer.from_pretrained(path)
+    row = {"model": job["model"], "row": job["row"]}
+    t0 = time.perf_counter()
+    if job["row"] in ("dense", "quanto_int8", "quanto_int4"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if job["row"] != "dense":
+            _quanto(model, int(job["row"][-1]))
+    else:
+        fields = dict(ROWS[job["row"]])
+        if fields["method"] == "qlr" or "factor_bits" in fields:
+            fields["group_size"] = job["group_size"]
+        if fields["method"] == "laser":
+            fields["targets"] = ["*_proj"]
+        cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", calibration_samples=job["calibration_samples"],
+                                      calibration_length=job["calibration_length"], **fields)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg)
+        st = model.config.quantization_config.stats
+        mods = st["modules"].values()
+        row["bits"] = sorted({m["bits"] for m in mods if "bits" in m})
+        row["mean_rank"] = round(sum(m.get("rank", 0) for m in mods) / max(len(mods), 1), 1)
+    row["compress_s"] = round(time.perf_counter() - t0, 1)
+    model.eval()
+    stored, dense = _linear_bytes(model)
+    row["linear_bytes"] = stored / dense
+    row["model_bytes"] = _model_bytes(model, stored, dense)
+    for corpus in ("wikipedia", "owt"):
+        with torch.inference_mode(False), torch.no_grad():
+            row[f"ppl_{corpus}"] = perplexity(model, tok, assets.load_text(corpus, "eval"), context_length=512,
+                                              stride=512, max_tokens=job["eval_tokens"], progress=False)["ppl"]
+    if job["row"] in job["speed_rows"]:
+        with torch.inference_mode(False), torch.no_grad():
+            row["tok_s"] = decode_tokens_per_s(model, tok)
+    if job["bigbench_examples"] and job["row"] in job["bigbench_rows"]:
+        from hf_tensorcomp.eval.multiple_choice import multiple_choice_accuracy
+
+        ex = assets.load_bigbench_task("goal_step_wikihow")
+        with torch.inference_mode(False), torch.no_grad():
+            r = multiple_choice_accuracy(model, tok, ex, max_examples=job["bigbench_examples"], progress=False)
+        acc, n = r["accuracy"], r["n"]
+        row["wikihow"], row["wikihow_se"], row["wikihow_n"] = acc, (acc * (1 - acc) / n) ** 0.5, n
+    row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    q.put(row)
+
+
+def run(cfg: dict) -> list[dict]:
+    path = RESULTS / f"{NAME}.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    done = {(r["model"], r["row"]) for r in rows}
+    ctx = mp.get_context("spawn")
+    for label in cfg["rows"]:
+        for model in cfg["models"]:
+            if (model, label) in done:
+                continue
+            q = ctx.Queue()
+            p = ctx.Process(target=_one, args=({**cfg, "model": model, "row": label}, q))
+            p.start()
+            while p.is_alive() and q.empty():
+                time.sleep(1)
+            if q.empty():
+                print(f"{model} {label}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
+                continue
+            rows.append(q.get())
+            p.join()
+            print(json.dumps(rows[-1]), flush=True)
+            write_json(f"{NAME}.json", rows)
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        rs = [r for r in rows if r["model"] == model]
+        dense = next((r for r in rs if r["row"] == "dense"), None)
+        if dense is None:
+            continue
+        for r in rs:
+            r["model_ratio"] = r["model_bytes"] / dense["model_bytes"]
+            for c in ("wikipedia", "owt"):
+                r[f"x_{c}"] = r[f"ppl_{c}"] / dense[f"ppl_{c}"]
+            if "tok_s" in r and "tok_s" in dense:
+                r["speed"] = r["tok_s"] / dense["tok_s"]
+        out.append(f"### {model} (dense perplexity: Wikipedia {dense['ppl_wikipedia']:.2f}, OpenWebText {dense['ppl_owt']:.2f})\n")
+        out.append(markdown_table(sorted(rs, key=lambda r: r["linear_bytes"]), [
+            ("row", "row", "{}"), ("bits", "bits", "{}"), ("mean_rank", "mean rank", "{}"),
+            ("linear_bytes", "linear bytes vs bf16", "{:.3f}"), ("model_ratio", "model bytes vs bf16", "{:.3f}"),
+            ("x_wikipedia", "ppl vs dense, Wikipedia", "{:.3f}x"), ("x_owt", "ppl vs dense, OpenWebText", "{:.3f}x"),
+            ("wikihow", "wikihow acc", "{:.3f}"), ("wikihow_se", "± se", "{:.3f}"),
+            ("speed", "decode vs dense", "{:.2f}x"), ("compress_s", "compress s", "{:.0f}"),
+            ("peak_rss_mb", "peak RSS MB", "{:,}")]))
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rs = [r for r in rows if r["model"] == model and "x_owt" in r]
+        groups = {"quanto": [r for r in rs if r["row"].startswith("quanto")],
+                  "round to nearest / GPTQ alone": [r for r in rs if r["row"] in ("rtn4", "gptq4")],
+                  "qlr (quantized + correction)": [r for r in rs if r["row"].startswith(("qlr", "rtn4_r"))],
+                  "LASER (bf16 / quantized factors)": [r for r in rs if r["row"].startswith("laser")]}
+        for label, g in groups.items():
+            for corpus, marker in (("wikipedia", "o"), ("owt", "x")):
+                pts = sorted((r["linear_bytes"], r[f"x_{corpus}"]) for r in g)
+                if pts:
+                    ax.plot(*zip(*pts), marker=marker, linestyle="-" if corpus == "wikipedia" else ":",
+                            label=f"{label} ({'Wikipedia' if corpus == 'wikipedia' else 'OpenWebText'})")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel("decoder-linear bytes vs bf16")
+        ax.set_ylabel("perplexity vs dense")
+        ax.set_title(model)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe")
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    cfg = load_recipe(args.recipe, DEFAULTS)
+    path = RESULTS / f"{NAME}.json"
+    rows = json.loads(path.read_text()) if args.report_only else run(cfg)
+    md = report(rows)
+    (RESULTS / f"{NAME}.md").write_text(
+        "# Quantized weights plus a calibrated low-rank correction, against weight quantization\n\n"
+        "Every decoder linear; calibration: Wikipedia calib split (32 x 256 tokens); perplexity: "
+        f"{cfg['eval_tokens']} tokens of the Wikipedia eval split and of OpenWebText's, 512-token windows. Groups of "
+        f"{cfg['group_size']} with integer zero points (the bundled models are de-quantized GGUF 4-bit files with blocks "
+        "of 32, which a 32-group float-minimum quantizer would reproduce for free). Written by benchmarks/quantized.py.\n\n"
+        + md)
+    plot(rows, RESULTS / f"{NAME}.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
