@@ -77,7 +77,7 @@ def _linear_bytes(model) -> tuple[int, int]:
                 stored += t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
         elif isinstance(m, torch.nn.Linear):
             dense += m.weight.numel() * 2
-            bits = getattr(m, "_bench_bits", 16)
+            bits = getattr(getattr(m, "weight_qtype", None), "bits", 16)  # optimum-quanto's QLinear
             n = m.weight.numel()
             stored += n * 2 if bits == 16 else n + m.out_features * 2 if bits == 8 else n // 2 + n // 128 * 4
     return stored, dense
@@ -104,12 +104,7 @@ def _quanto(model, bits: int) -> None:
 
     from hf_tensorcomp.plan import find_decoder_layers
 
-    import torch
-
     _, layers = find_decoder_layers(model)
-    for m in layers.modules():
-        if isinstance(m, torch.nn.Linear):
-            m._bench_bits = bits
     quantize(layers, weights={8: qint8, 4: qint4}[bits])
     freeze(layers)
 

@@ -8,11 +8,12 @@
 from . import assets, hybrid
 from .cache import EinSortCache
 from .config import TensorCompressionConfig
+from .healing import heal
 from .integration import AutoModelForCausalLM, TensorCompQuantizer, compress
 from .integration.hub import model_card, push_to_hub, write_model_card
 from .layers import LowRankLinear
 
 __version__ = "0.1.0"
 
-__all__ = ["TensorCompressionConfig", "compress", "EinSortCache", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "model_card",
+__all__ = ["TensorCompressionConfig", "compress", "heal", "EinSortCache", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "model_card",
            "push_to_hub", "write_model_card", "__version__"]

@@ -113,6 +113,8 @@ class TensorCompressionConfig(QuantizationConfigMixin):
             approximation back into ordinary ``nn.Linear`` weights.
         entries: instead of the fields above, a list of dicts (or `Entry` objects), one per module group.
         progress: show tqdm progress bars while compressing.
+        heal: False (default), True or a dict of `hf_tensorcomp.healing.HEAL_DEFAULTS` settings: after
+            compression, distil the model toward the dense one on the calibration text (`hf_tensorcomp.heal`).
         **options: method-specific options (each method lists and validates its own).
     """
 
@@ -133,6 +135,7 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         calibration_seed: int = 0,
         propagate: bool = True,
         calibration_tokenizer=None,
+        heal=False,
         compressed_modules: dict | None = None,
         stats: dict | None = None,
         format_version: int = FORMAT_VERSION,
@@ -182,6 +185,11 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         if calibration_tokenizer is not None and not isinstance(calibration_tokenizer, str) and not callable(calibration_tokenizer):
             fail("calibration_tokenizer", type(calibration_tokenizer).__name__, "None (the model's own), a path, or a tokenizer")
         self.calibration_tokenizer = calibration_tokenizer  # not saved: only needed while compressing
+        from .healing import validate_heal
+
+        self.heal = validate_heal(heal)
+        if self.heal is not None and self.calibration is None and not compressed_modules:
+            fail("calibration", None, "calibration text for heal= (the distillation trains on it), e.g. calibration='wikipedia'")
         if not propagate and any(e.options.get("correct") for e in self.entries):
             fail("correct", True, "False with propagate=False (error correction fits the dense outputs from the inputs "
                  "a partly compressed model gives, which only propagation computes), or propagate=True")
@@ -216,6 +224,7 @@ class TensorCompressionConfig(QuantizationConfigMixin):
             "progress": self.progress,
             "calibration": describe(self.calibration),
             **{k: getattr(self, k) for k in CALIBRATION_DEFAULTS},
+            **({"heal": copy.deepcopy(self.heal)} if self.heal else {}),
             "compressed_modules": copy.deepcopy(self.compressed_modules),
             "stats": copy.deepcopy(self.stats),
         }

@@ -18,18 +18,15 @@ The bundled hybrid (`linearized_path`) is this with `DEFAULTS`, cached under
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from .assets._common import _note, cache_dir
 from .assets.models import _spec
 from .layers import GatedDeltaNetAttention
-from .training import lr_schedule
+from .healing import distill
 from .validation import fail, is_int
 
 #: the recipe of the bundled hybrid (also recipes/linearize_smollm2.json)
@@ -38,52 +35,21 @@ DEFAULTS = {"every": 3, "layers": None, "calibration": "wikipedia", "samples": 1
             "eval_tokens": 8192}
 
 
-@torch.enable_grad()
 def distill_logits(student, teacher, ids: torch.Tensor, steps: int, lr: float = 1e-4, batch_size: int = 4,
                    seed: int = 0, warmup: float = 0.1, progress: bool = True) -> list[float]:
-    """Train the student's Gated DeltaNet layers (only those) to match the teacher's next-token distributions.
-
-    Loss: KL(teacher ‖ student) per token, averaged; Adam at ``lr`` with warm-up and cosine decay; the
-    windows of ``ids`` (n x length) are visited in a seeded shuffle, ``batch_size`` per step. Every
-    other parameter keeps its ``requires_grad`` unchanged afterwards. Returns the loss of every step.
-    """
+    """Train the student's Gated DeltaNet layers (only those) to match the teacher's next-token distributions
+    (`healing.distill`: KL, Adam with warm-up and cosine decay, seeded shuffle of the windows of ``ids``).
+    Returns the loss of every step."""
     if not is_int(steps, 1):
         fail("distill_steps", steps, "an int >= 1")
     params = [p for m in student.modules() if isinstance(m, GatedDeltaNetAttention) for p in m.parameters()]
     if not params:
         raise ValueError("distill_logits: the student has no Gated DeltaNet layers; allowed: a model linearized by "
                          "hf_tensorcomp (method 'linearize')")
-    before = {p: p.requires_grad for p in student.parameters()}
-    for p in student.parameters():
-        p.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule(s, steps, warmup))
-    g = torch.Generator().manual_seed(seed)
-    order: list[int] = []
-    history = []
-    student.train()
-    device = next(student.parameters()).device
-    try:
-        for _ in tqdm(range(steps), desc="hf_tensorcomp: end-to-end distillation", disable=not progress, unit="step"):
-            if len(order) < batch_size:
-                order += torch.randperm(ids.shape[0], generator=g).tolist()
-            batch, order = ids[order[:batch_size]].to(device), order[batch_size:]
-            with torch.no_grad():
-                t = F.log_softmax(teacher(input_ids=batch, use_cache=False).logits.float(), -1)
-            s = F.log_softmax(student(input_ids=batch, use_cache=False).logits.float(), -1)
-            loss = F.kl_div(s.flatten(0, 1), t.flatten(0, 1), log_target=True, reduction="batchmean")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            history.append(loss.item())
-    finally:
-        student.eval()
-        for p, flag in before.items():
-            p.requires_grad_(flag)
-    return history
+    run = distill(student, teacher, ids, params, steps, lr=lr, batch_size=batch_size, seed=seed, warmup=warmup,
+                  train_mode=True, progress=progress, desc="hf_tensorcomp: end-to-end distillation")
+    student.eval()
+    return run["losses"]
 
 
 def _ppl(model, tok, tokens: int) -> float:

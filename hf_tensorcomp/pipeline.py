@@ -12,6 +12,8 @@
    each unit checked before and after (`hf_tensorcomp.checks`) and put in place by `hf_tensorcomp.surgery`
    (module replacement only); then each method's whole-model `finish` step.
 5. **record**: ``config.compressed_modules`` and ``config.stats`` describe the model as it now is.
+6. **heal** (``heal=``): a short distillation toward the dense model (`hf_tensorcomp.heal`), its
+   report added to ``config.stats``.
 
 Methods only turn statistics into modules; surgery only replaces modules.
 """
@@ -83,8 +85,15 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
                 finished[str(k)] = done
     finally:
         model.train(was_training)
-    return record(model, config, (params_before, bytes_before), time.perf_counter() - t0, module_stats, finished, runner,
-                  allocation)  # 5.
+    stats = record(model, config, (params_before, bytes_before), time.perf_counter() - t0, module_stats, finished, runner,
+                   allocation)  # 5.
+    if config.heal:  # 6. heal: distil toward the dense model this one was made from
+        from .healing import heal
+
+        settings = {k: v for k, v in config.heal.items()}
+        heal(model, teacher=config.stats.get("source"), calibration=config.calibration, progress=config.progress,
+             tokenizer=config.calibration_tokenizer, _config=config, **settings)
+    return config.stats
 
 
 def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods):
@@ -98,7 +107,8 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods):
     from .calibration import LayerwiseRunner, calibration_ids
 
     prefix, layer_list = find_decoder_layers(model)
-    ids = calibration_ids(config.calibration, _calibration_tokenizer(model, config), config.calibration_samples,
+    ids = calibration_ids(config.calibration, calibration_tokenizer(model, config.calibration, config.calibration_tokenizer),
+                          config.calibration_samples,
                           config.calibration_length, config.calibration_seed)
     vocab = model.get_input_embeddings().num_embeddings
     bad = ids[(ids < 0) | (ids >= vocab)]
@@ -190,7 +200,9 @@ def record(model: nn.Module, config: TensorCompressionConfig, before: tuple[int,
            finished: dict, runner, allocation: dict) -> dict:
     """Stage 5: ``config.compressed_modules`` and ``config.stats`` describe the model as it now is."""
     config.compressed_modules = factored_specs(model)
+    source = getattr(model, "name_or_path", None)
     config.stats = {
+        **({"source": source} if source and os.path.isdir(source) else {}),
         "params_before": before[0],
         "params_after": sum(p.numel() for p in model.parameters()),
         "bytes_before": before[1],
@@ -223,16 +235,16 @@ def _by_layer(kinds: dict[str, frozenset]) -> dict[int, dict[str, frozenset]]:
     return out
 
 
-def _calibration_tokenizer(model: nn.Module, config: TensorCompressionConfig):
-    """The tokenizer for calibration texts: the config's (object or path), else the model's own folder's."""
-    tok = config.calibration_tokenizer
-    if tok is not None and not isinstance(tok, str):
-        return tok
-    if is_token_ids(config.calibration):
+def calibration_tokenizer(model: nn.Module, calibration, tokenizer=None):
+    """The tokenizer for calibration texts: `tokenizer` (object or path), else the model's own folder's;
+    None for token ids."""
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    if is_token_ids(calibration):
         return None
     from transformers import AutoTokenizer
 
-    src = tok or getattr(model, "name_or_path", None)
+    src = tokenizer or getattr(model, "name_or_path", None)
     try:
         return AutoTokenizer.from_pretrained(src)
     except Exception as e:  # noqa: BLE001 - any failure means: tell the user how to pass one

@@ -229,7 +229,7 @@ from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.layers import BlockHadamardLinear, LowRankLinear, RotorLinear, build_from_spec  # noqa: E402
 from hf_tensorcomp.layers.rotor import rotor_param_count, windows  # noqa: E402
 from hf_tensorcomp.methods import get_method  # noqa: E402
-from hf_tensorcomp.training import fit, lr_schedule, relative_mse  # noqa: E402
+from hf_tensorcomp.healing import fit, lr_schedule, relative_mse  # noqa: E402
 
 
 @pytest.mark.parametrize("d_in, d_out, expect", [

@@ -104,6 +104,12 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
                   *([f"- compression passes: {st['passes']}"] if st.get("passes") else []),
                   f"- compressed modules: {len(st.get('modules', {}))}",
                   f"- compression time: {st.get('compress_seconds')} s"]
+        h = st.get("heal")
+        if h:
+            lines.append(f"- healed: {h['steps']} distillation steps ({h['tokens']:,} tokens, training {h['train']}: "
+                         f"{h['params_trained']:,} parameters); held-out KL to the dense model {h['held_out_kl_before']} → "
+                         f"{h['held_out_kl_after']}, held-out perplexity {h['held_out_ppl_before']} → {h['held_out_ppl_after']}"
+                         + ("" if h["improved"] else " (no improvement: the model was left as compressed)"))
         errs = [m["rel_error"] for m in st.get("modules", {}).values() if "rel_error" in m]
         if errs:
             lines.append(f"- relative reconstruction error per matrix: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")

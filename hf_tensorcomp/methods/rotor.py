@@ -11,7 +11,7 @@ method needs calibration data.
 - ``"lr1"`` / ``"lr4"``: `LowRankLinear` of rank 1 / 4, both factors trained (random init);
 - ``"bh1"``: `BlockHadamardLinear`, block-diagonal (``blocks``) after a fixed Hadamard transform.
 
-Training (`hf_tensorcomp.training.fit`): Adam, one epoch, seeded shuffle, linear warm-up then cosine
+Training (`hf_tensorcomp.healing.fit`): Adam, one epoch, seeded shuffle, linear warm-up then cosine
 decay per step; learning rate 0.05 and batch size 64 (the paper's rotor setting) for every structure,
 so the comparison trains all of them alike (see `FIT_DEFAULTS`).
 
@@ -41,7 +41,7 @@ from torch import nn
 from ..layers import BlockHadamardLinear, LowRankLinear, RotorLinear
 from ..layers.block_hadamard import check_blocks
 from ..layers.rotor import CHUNKINGS, check_layout, hidden_width
-from ..training import fit, relative_mse
+from ..healing import fit, relative_mse
 from ..validation import choices, fail, is_int, is_number
 from .base import Method, check_schedule_options, register_method
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decompositions import key_selection as ks
+from ..healing import distill
 from ..validation import choices, fail, is_int, is_number
 from .base import Method, register_method
 
@@ -343,25 +344,18 @@ def recover(model: nn.Module, dense: dict[str, nn.Module], ids: torch.Tensor, o:
     params = [p for n, p in model.named_parameters() if "lora_" in n] + convs
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=o["recover_lr"], weight_decay=0.0)
-    device = next(model.parameters()).device
-    batches = ids.split(o["recover_batch_size"])
-    losses = []
-    model.train()
-    try:
-        for step in range(o["recover_steps"]):
-            batch = batches[step % len(batches)].to(device)
-            pruned = _swap(model, dense)
-            with torch.no_grad():
-                teacher = model(input_ids=batch, use_cache=False).logits.float()
+
+    def teacher(batch):  # the dense mixers swapped back in for the teacher's forward
+        pruned = _swap(model, dense)
+        try:
+            return F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), -1)
+        finally:
             _swap(model, pruned)
-            student = model(input_ids=batch, use_cache=False).logits.float()
-            loss = F.kl_div(student.log_softmax(-1).flatten(0, 1), teacher.log_softmax(-1).flatten(0, 1),
-                            log_target=True, reduction="batchmean")
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
+
+    try:
+        losses = distill(model, teacher, ids, params, o["recover_steps"], lr=o["recover_lr"],
+                         batch_size=o["recover_batch_size"], schedule=False, shuffle=False, train_mode=True,
+                         progress=False)["losses"]
     finally:
         for name, mod in list(model.named_modules()):
             if isinstance(mod, LoraLayer):

@@ -1,0 +1,351 @@
+"""Healing: every training step of the library, in one place.
+
+- `fit`: one module trained to reproduce a dense one on real inputs (MSE, Adam): the rotor method and
+  its LR / BH baselines, linearize's layer-wise attention transfer.
+- `distill`: a model trained toward a teacher's next-token distributions (KL, plus an optional
+  language-model loss), only the parameters given, with a held-out slice scored before, during and
+  after and the best iterate kept: `heal`, linearize's end-to-end step
+  (`hybrid.distill_logits`) and state reduction's LoRA recovery.
+- `heal`: what a user calls on any compressed model (and what ``TensorCompressionConfig(heal=...)``
+  runs after compression): the teacher is the dense model it was made from unless given; what is
+  trained is chosen by ``train`` (default: every floating factor of the compressed modules plus the
+  norms; quantized codes stay as they are, a ``qlr`` layer's correction trains). Healing that does
+  not lower the held-out loss leaves the model bit-identical and says so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+
+def lr_schedule(step: int, total: int, warmup: float = 0.05, floor: float = 0.0) -> float:
+    """Multiplier of the base learning rate at optimizer step `step` (0-based) of `total`:
+    linear warm-up over the first ``warmup`` fraction of the steps, then one cosine half-period
+    down to ``floor`` at the last step. (The paper's code steps a T_max = 1 cosine per batch, which
+    makes the rate jump between its peak and 0 every step; this is the schedule it meant.)"""
+    n_warm = int(round(warmup * total))
+    if step < n_warm:
+        return (step + 1) / n_warm
+    span = max(1, total - n_warm - 1)
+    progress = min(1.0, (step - n_warm) / span)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.enable_grad()  # from_pretrained may be called under torch.no_grad()
+def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.05, epochs: int = 1,
+        batch_size: int = 64, seed: int = 0, warmup: float = 0.05, floor: float = 0.0, targets: torch.Tensor | None = None,
+        windows: bool = False, progress: bool = False, desc: str = "fit") -> list[float]:
+    """Train `module` in place so that ``module(x) ≈ dense_linear(x)`` on the rows of `inputs`.
+
+    inputs: ``(tokens, d_in)`` real activations of the projection being replaced. The targets are
+    ``dense_linear(inputs)`` (computed once, in float32; pass ``targets=`` to supply them). Loss: MSE
+    per batch, Adam at ``lr`` with `lr_schedule` (stepped per batch), ``epochs`` passes over the
+    tokens in a seeded shuffle: the same seed, module and data give the same result. The module is
+    left in eval mode. Returns the loss of every step.
+
+    ``windows=True``: `inputs` and `targets` keep their shape ``(windows, tokens, d)`` and the shuffle and
+    batches run over windows (a module that mixes tokens, e.g. a whole attention block); a module
+    returning a tuple is scored on its first element.
+    """
+    x = inputs.detach().float() if windows else inputs.detach().reshape(-1, inputs.shape[-1]).float()
+    if targets is None:
+        with torch.no_grad():
+            if isinstance(dense_linear, nn.Linear):
+                b = dense_linear.bias.float() if dense_linear.bias is not None else None
+                y = F.linear(x.to(dense_linear.weight.device), dense_linear.weight.float(), b)
+            else:
+                y = dense_linear(x).float()
+    else:
+        y = targets.detach().float() if windows else targets.detach().reshape(x.shape[0], -1).float()
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr)
+    steps_per_epoch = math.ceil(x.shape[0] / batch_size)
+    total = epochs * steps_per_epoch
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule(s, total, warmup, floor))
+    g = torch.Generator().manual_seed(seed)
+    history: list[float] = []
+    module.train()
+    bar = tqdm(total=total, desc=desc, disable=not progress, unit="step", leave=False)
+    for _ in range(epochs):
+        order = torch.randperm(x.shape[0], generator=g)
+        for s in range(steps_per_epoch):
+            idx = order[s * batch_size : (s + 1) * batch_size]
+            out = module(x[idx])
+            loss = F.mse_loss((out[0] if isinstance(out, tuple) else out).float(), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            history.append(loss.item())
+            bar.update(1)
+            if progress and s % 20 == 0:
+                bar.set_postfix(loss=f"{history[-1]:.4g}")
+    bar.close()
+    module.eval()
+    return history
+
+
+@torch.no_grad()
+def relative_mse(module: nn.Module, dense_linear, inputs: torch.Tensor, batch: int = 4096) -> float:
+    """||module(x) - dense(x)||² / ||dense(x)||² over the rows of `inputs` (float32)."""
+    num = den = 0.0
+    x = inputs.detach().reshape(-1, inputs.shape[-1]).float()
+    for i in range(0, x.shape[0], batch):
+        xb = x[i : i + batch]
+        if isinstance(dense_linear, nn.Linear):
+            b = dense_linear.bias.float() if dense_linear.bias is not None else None
+            y = F.linear(xb, dense_linear.weight.float(), b)
+        else:
+            y = dense_linear(xb).float()
+        num += (module(xb).float() - y).pow(2).sum().item()
+        den += y.pow(2).sum().item()
+    return num / den
+
+
+# ---------------------------------------------------------------------------------------- distillation
+def _log_probs(model, batch: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), -1)
+
+
+def kl_to_teacher(student_lp: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ student) per token, averaged over the tokens."""
+    return F.kl_div(student_lp.flatten(0, 1), teacher_lp.flatten(0, 1), log_target=True, reduction="batchmean")
+
+
+@torch.no_grad()
+def held_out_loss(student, teacher, ids: torch.Tensor, batch_size: int = 4) -> tuple[float, float]:
+    """(mean KL to the teacher per token, the student's perplexity) on the windows of `ids`."""
+    device = next(student.parameters()).device
+    kl = nll = 0.0
+    n = 0
+    for batch in ids.split(batch_size):
+        batch = batch.to(device)
+        s = _log_probs(student, batch)
+        t = teacher(batch) if not isinstance(teacher, nn.Module) else _log_probs(teacher, batch)
+        tokens = batch.shape[0] * batch.shape[1]
+        kl += float(kl_to_teacher(s, t)) * tokens
+        nll += float(F.nll_loss(s[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
+        n += tokens
+    return kl / n, math.exp(nll / (n - ids.shape[0]))
+
+
+@torch.enable_grad()
+def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr: float = 1e-4, batch_size: int = 4,
+            seed: int = 0, warmup: float = 0.1, schedule: bool = True, shuffle: bool = True, lm_weight: float = 0.0,
+            held_out: torch.Tensor | None = None, eval_every: int = 25, train_mode: bool = False,
+            progress: bool = True, desc: str = "hf_tensorcomp: distillation") -> dict:
+    """Train `params` of `student` toward `teacher`'s next-token distributions on the windows of `ids`.
+
+    teacher: a model, or a function ``batch -> log-probabilities`` (e.g. the student with its dense
+    modules swapped back in). Loss: KL(teacher ‖ student) per token, plus ``lm_weight`` x the student's
+    language-model loss. Adam at ``lr`` (warm-up and cosine decay with ``schedule``, else constant);
+    windows in a seeded shuffle (``shuffle``) or in order, ``batch_size`` per step. Every other
+    parameter keeps its ``requires_grad``. With `held_out` (windows never trained on): scored before,
+    every ``eval_every`` steps and at the end, and the best iterate is what the student keeps (the
+    start, bit for bit, if no step improved on it).
+
+    Returns {"losses": per step, "held_out": [(step, kl, ppl), ...] or [], "best_step": int or None}.
+    """
+    if not params:
+        raise ValueError("distill: nothing to train (no parameters given)")
+    flags = {p: p.requires_grad for p in student.parameters()}
+    for p in student.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, (lambda s: lr_schedule(s, steps, warmup)) if schedule else (lambda s: 1.0))
+    g = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    in_order = ids.split(batch_size)
+    losses, scores = [], []
+    best = best_step = best_kl = None
+    was_training = student.training
+    device = next(student.parameters()).device
+
+    def score(step):
+        nonlocal best, best_step, best_kl
+        student.eval()
+        kl, ppl = held_out_loss(student, teacher, held_out, batch_size)
+        student.train(train_mode)
+        scores.append((step, kl, ppl))
+        if best_kl is None or kl < best_kl:
+            best, best_step, best_kl = [p.detach().clone() for p in params], step, kl
+
+    student.train(train_mode)
+    try:
+        if held_out is not None:
+            score(0)
+        bar = tqdm(range(steps), desc=desc, disable=not progress, unit="step")
+        for step in bar:
+            if shuffle:
+                if len(order) < batch_size:
+                    order += torch.randperm(ids.shape[0], generator=g).tolist()
+                batch, order = ids[order[:batch_size]], order[batch_size:]
+            else:
+                batch = in_order[step % len(in_order)]
+            batch = batch.to(device)
+            with torch.no_grad():
+                t = teacher(batch) if not isinstance(teacher, nn.Module) else _log_probs(teacher, batch)
+            s = _log_probs(student, batch)
+            loss = kl_to_teacher(s, t)
+            if lm_weight:
+                loss = loss + lm_weight * F.nll_loss(s[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.4g}")
+            if held_out is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
+                score(step + 1)
+        if held_out is not None:
+            with torch.no_grad():
+                for p, b in zip(params, best):
+                    p.copy_(b)
+    finally:
+        student.train(was_training)
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+    return {"losses": losses, "held_out": scores, "best_step": best_step}
+
+
+# ---------------------------------------------------------------------------------------- heal
+HEAL_DEFAULTS = {"steps": 100, "lr": 1e-4, "batch_size": 4, "train": "auto", "lm_weight": 0.0, "held_out": 0.125,
+                 "eval_every": 25, "seed": 0, "samples": 64, "length": 256, "gradient_checkpointing": False}
+TRAIN = ("auto", "factors", "norms")
+
+
+def validate_heal(value):
+    """The config's ``heal``: False / None (no healing), True (the defaults) or a dict of `HEAL_DEFAULTS` keys."""
+    from .validation import fail, is_int, is_number
+
+    if value is None or value is False:
+        return None
+    if value is True:
+        return dict(HEAL_DEFAULTS)
+    if not isinstance(value, dict):
+        fail("heal", value, f"False | True | a dict with keys {sorted(HEAL_DEFAULTS)}")
+    unknown = sorted(set(value) - set(HEAL_DEFAULTS))
+    if unknown:
+        fail("heal", value, f"a dict with keys among {sorted(HEAL_DEFAULTS)} (unknown: {unknown})")
+    o = {**HEAL_DEFAULTS, **value}
+    for key, lo in (("steps", 1), ("batch_size", 1), ("eval_every", 1), ("samples", 2), ("length", 2)):
+        if not is_int(o[key], lo):
+            fail(f"heal.{key}", o[key], f"an int >= {lo}")
+    if not is_int(o["seed"]):
+        fail("heal.seed", o["seed"], "an int")
+    for key, lo, hi in (("lr", 0, 1), ("lm_weight", 0, 100), ("held_out", 0, 0.5)):
+        if not is_number(o[key]) or not lo <= o[key] <= hi or (key == "held_out" and o[key] == 0):
+            fail(f"heal.{key}", o[key], f"a number in {'(' if key == 'held_out' else '['}{lo}, {hi}]")
+    if o["train"] not in TRAIN:
+        fail("heal.train", o["train"], " | ".join(map(repr, TRAIN)))
+    if not isinstance(o["gradient_checkpointing"], bool):
+        fail("heal.gradient_checkpointing", o["gradient_checkpointing"], "True | False")
+    return o
+
+
+def trainable(model, train: str = "auto") -> list:
+    """What healing trains: ``"factors"``: every floating parameter of the compressed (factored) modules
+    (LASER's U and V, TRAWL / TensorLLM factors and cores, EinSort cores, a ``qlr`` layer's correction;
+    quantized codes are buffers and stay); ``"norms"``: the normalisation weights and every bias;
+    ``"auto"``: both."""
+    from .layers import FactorizedModule
+
+    out = {}
+    if train in ("auto", "factors"):
+        for m in model.modules():
+            if isinstance(m, FactorizedModule):
+                out.update({id(p): p for p in m.parameters() if p.is_floating_point()})
+    if train in ("auto", "norms"):
+        for name, m in model.named_modules():
+            if "norm" in type(m).__name__.lower():
+                out.update({id(p): p for p in m.parameters(recurse=False)})
+        out.update({id(p): p for n, p in model.named_parameters() if n.endswith(".bias")})
+    return list(out.values())
+
+
+def _teacher(model, teacher):
+    from transformers import AutoModelForCausalLM
+
+    if teacher is not None and not isinstance(teacher, str):
+        return teacher.eval()
+    src = teacher or _source(model)
+    if src is None:
+        raise ValueError("heal: teacher=None, and the model does not record the dense model it was made from; allowed: "
+                         "teacher=<the dense model or its path>")
+    dense = AutoModelForCausalLM.from_pretrained(src, dtype=next(model.parameters()).dtype)
+    if getattr(dense.config, "quantization_config", None) is not None:
+        raise ValueError(f"heal: the teacher loaded from {src!r} is itself compressed or quantized; allowed: "
+                         "teacher=<the dense model or its path>")
+    return dense.eval()
+
+
+def _source(model):
+    cfg = getattr(model.config, "quantization_config", None)
+    st = getattr(cfg, "stats", None) or {}
+    return st.get("source") or getattr(model, "name_or_path", None) or None
+
+
+def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None, *, tokenizer=None,
+         progress: bool = True, _config=None, **settings) -> dict:
+    """Distil a compressed model toward the dense one, in place; returns what it did (also in
+    ``config.quantization_config.stats["heal"]``, so the model card records it).
+
+    teacher: the dense model (or its path); None: the model the compressed one was made from (its
+    recorded source, reloaded). calibration: as in `TensorCompressionConfig` (a bundled text name,
+    texts, a Dataset, token ids); a held-out slice of its windows (``held_out``) is never trained on
+    and decides which iterate is kept. Other settings: `HEAL_DEFAULTS` (``steps``, ``lr``,
+    ``batch_size``, ``train``, ``lm_weight``, ``eval_every``, ``seed``, ``samples``, ``length``,
+    ``gradient_checkpointing``).
+    """
+    from .calibration.data import calibration_ids, validate_calibration
+    from .pipeline import calibration_tokenizer
+
+    o = validate_heal({**settings, **({"steps": steps} if steps is not None else {})})
+    calibration = validate_calibration(calibration)
+    t0 = time.perf_counter()
+    params = trainable(model, o["train"])
+    if not params:
+        raise ValueError(f"heal: train={o['train']!r} finds nothing to train in this model; allowed: 'auto' | 'norms'")
+    tok = calibration_tokenizer(model, calibration, tokenizer)
+    ids = calibration_ids(calibration, tok, o["samples"], o["length"], o["seed"])
+    n_held = max(1, round(o["held_out"] * ids.shape[0]))
+    if ids.shape[0] - n_held < 1:
+        raise ValueError(f"heal: calibration gives {ids.shape[0]} windows; allowed: at least 2 (one is held out)")
+    held, train_ids = ids[:n_held], ids[n_held:]
+    dense = _teacher(model, teacher)
+    checkpointing = o["gradient_checkpointing"] and hasattr(model, "gradient_checkpointing_enable")
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    try:
+        torch.manual_seed(o["seed"])
+        run = distill(model, dense, train_ids, params, o["steps"], lr=o["lr"], batch_size=o["batch_size"], seed=o["seed"],
+                      lm_weight=o["lm_weight"], held_out=held, eval_every=o["eval_every"], progress=progress,
+                      desc="hf_tensorcomp: healing")
+    finally:
+        if checkpointing:
+            model.gradient_checkpointing_disable()
+    (_, kl0, ppl0), best = run["held_out"][0], next(s for s in run["held_out"] if s[0] == run["best_step"])
+    report = {"steps": o["steps"], "tokens": o["steps"] * o["batch_size"] * int(ids.shape[1]),
+              "train": o["train"], "params_trained": sum(p.numel() for p in params), "lr": o["lr"],
+              "loss_first": round(run["losses"][0], 6), "loss_last": round(run["losses"][-1], 6),
+              "held_out_kl_before": round(kl0, 6), "held_out_kl_after": round(best[1], 6),
+              "held_out_ppl_before": round(ppl0, 4), "held_out_ppl_after": round(best[2], 4),
+              "best_step": run["best_step"], "improved": run["best_step"] != 0, "seconds": round(time.perf_counter() - t0, 1)}
+    if not report["improved"]:
+        warnings.warn("hf_tensorcomp: healing did not lower the held-out loss; the model is left exactly as it was",
+                      stacklevel=2)
+    cfg = _config if _config is not None else getattr(model.config, "quantization_config", None)
+    if cfg is not None and hasattr(cfg, "stats"):
+        cfg.stats = {**(cfg.stats or {}), "heal": report}
+    if teacher is None or isinstance(teacher, str):
+        del dense
+    return report

@@ -1,0 +1,91 @@
+"""Healing: a short distillation toward the dense model, for any compressed model, never for the worse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_tensorcomp
+from hf_tensorcomp import TensorCompressionConfig
+from tiny import VOCAB
+
+
+def calib(n=16, length=32, seed=5):
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def compressed(tiny_dirs, **kw):
+    kw = {"method": "laser", **kw}
+    if kw["method"] == "laser":
+        kw.setdefault("rank", 4)
+    cfg = TensorCompressionConfig(progress=False, **kw)
+    return AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg).eval()
+
+
+SETTINGS = dict(calibration=calib(), samples=16, length=32, eval_every=10, progress=False)
+
+
+def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs):
+    model = compressed(tiny_dirs)
+    report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, **SETTINGS)  # teacher: the recorded dense source
+    assert report["improved"] and report["held_out_kl_after"] < 0.9 * report["held_out_kl_before"]
+    assert model.config.quantization_config.stats["heal"] == report
+
+
+def test_no_improvement_leaves_the_weights_bit_identical(tiny_dirs):
+    model = compressed(tiny_dirs)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="did not lower the held-out loss"):
+        report = hf_tensorcomp.heal(model, steps=5, lr=1.0, **SETTINGS)  # a rate that only makes it worse
+    assert not report["improved"] and report["best_step"] == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_same_seed_same_healed_model(tiny_dirs):
+    runs = []
+    for _ in range(2):
+        model = compressed(tiny_dirs)
+        hf_tensorcomp.heal(model, steps=10, lr=3e-3, **SETTINGS)
+        runs.append(model.state_dict())
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+@pytest.mark.parametrize("kw", [{"method": "qlr", "rank": 4, "group_size": 16, "calibration": calib()},
+                                {"method": "laser", "rank": 4, "factor_bits": 4, "group_size": 16},
+                                {"method": "tensorllm", "ratio": 2.0}])
+def test_healed_save_reload_identical_through_the_config(tiny_dirs, tmp_path, ids, kw):
+    kw = {**kw, "calibration": calib(), "heal": {"steps": 10, "lr": 1e-3, "samples": 16, "length": 32, "eval_every": 5}}
+    model = compressed(tiny_dirs, **kw)
+    st = model.config.quantization_config.stats
+    assert st["heal"]["steps"] == 10 and st["heal"]["params_trained"] > 0
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    hf_tensorcomp.write_model_card(model, tmp_path)
+    assert "healed: 10 distillation steps" in (tmp_path / "README.md").read_text()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert again.config.quantization_config.stats["heal"] == st["heal"]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ref)
+
+
+def test_quantized_codes_stay_and_norms_train(tiny_dirs):
+    model = compressed(tiny_dirs, method="qlr", rank=2, bits=2, group_size=16, calibration=calib())
+    codes = model.model.layers[0].mlp.up_proj.weight.clone()  # the dequantized weight: fixed
+    norm = model.model.layers[0].input_layernorm.weight.clone()
+    assert hf_tensorcomp.heal(model, steps=20, lr=3e-4, **SETTINGS)["improved"]
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, codes)
+    assert not torch.equal(model.model.layers[0].input_layernorm.weight, norm)
+
+
+@pytest.mark.parametrize("heal, field", [({"stepz": 3}, "heal"), ({"steps": 0}, "heal.steps"), ("yes", "heal"),
+                                         ({"train": "everything"}, "heal.train"), ({"held_out": 0}, "heal.held_out")])
+def test_bad_heal_settings_name_the_field(heal, field):
+    with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: got"):
+        TensorCompressionConfig(method="laser", rank=4, calibration="wikipedia", heal=heal)
+
+
+def test_heal_needs_calibration_text():
+    with pytest.raises(ValueError, match=r"calibration: got None.*heal"):
+        TensorCompressionConfig(method="laser", rank=4, heal=True)
