@@ -47,8 +47,9 @@ def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.
     inputs: ``(tokens, d_in)`` real activations of the projection being replaced. The targets are
     ``dense_linear(inputs)`` (computed once, in float32; pass ``targets=`` to supply them). Loss: MSE
     per batch, Adam at ``lr`` with `lr_schedule` (stepped per batch), ``epochs`` passes over the
-    tokens in a seeded shuffle: the same seed, module and data give the same result. The module is
-    left in eval mode. Returns the loss of every step.
+    tokens in a seeded shuffle: the same seed, module and data give the same result. The module keeps
+    its best iterate (the start, or an epoch's end, by the MSE over all rows): training never leaves it
+    worse than it began. The module is left in eval mode. Returns the loss of every step.
 
     ``windows=True``: `inputs` and `targets` keep their shape ``(windows, tokens, d)`` and the shuffle and
     batches run over windows (a module that mixes tokens, e.g. a whole attention block); a module
@@ -65,6 +66,16 @@ def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.
     else:
         y = targets.detach().float() if windows else targets.detach().reshape(x.shape[0], -1).float()
     params = [p for p in module.parameters() if p.requires_grad]
+
+    def full_loss() -> float:  # MSE over every row, in eval mode
+        module.eval()
+        with torch.no_grad():
+            total = sum(F.mse_loss(_first(module(x[i: i + 4096])).float(), y[i: i + 4096], reduction="sum").item()
+                        for i in range(0, x.shape[0], 4096))
+        module.train()
+        return total
+
+    best_loss, best = full_loss(), [p.detach().clone() for p in params]  # the start: kept unless training beats it
     opt = torch.optim.Adam(params, lr=lr)
     steps_per_epoch = math.ceil(x.shape[0] / batch_size)
     total = epochs * steps_per_epoch
@@ -87,9 +98,19 @@ def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.
             bar.update(1)
             if progress and s % 20 == 0:
                 bar.set_postfix(loss=f"{history[-1]:.4g}")
+        now = full_loss()  # each epoch's end against the best so far: the best iterate is kept
+        if now < best_loss:
+            best_loss, best = now, [p.detach().clone() for p in params]
     bar.close()
+    with torch.no_grad():
+        for p, b in zip(params, best):
+            p.copy_(b)
     module.eval()
     return history
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
 
 
 @torch.no_grad()

@@ -512,9 +512,27 @@ def test_retrain_o_fits_the_block_output_and_reloads(tiny_dirs, tmp_path):
 def test_trains_when_loaded_under_no_grad(tiny_dirs):
     """from_pretrained inside torch.no_grad() (common in evaluation scripts) still trains the stand-ins."""
     cal = torch.randint(0, 101, (8, 16), generator=_g(5))
-    cfg = TensorCompressionConfig(method="rotor", structure="lr4", layers=[1], lr=0.05, batch_size=16, epochs=8,
+    cfg = TensorCompressionConfig(method="rotor", structure="lr4", init="random", layers=[1], lr=0.05, batch_size=16, epochs=8,
                                   calibration=cal, progress=False)
     with torch.no_grad():
         m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
     st = m.config.quantization_config.stats["modules"]["model.layers.1.self_attn.q_proj"]
     assert st["loss"][-1] < st["loss"][0] and st["rel_error"] < 1
+
+
+@pytest.mark.parametrize("structure", ["lr1", "bh1"])
+def test_trained_stand_in_never_worse_than_its_closed_form_start(tiny_dirs, structure):
+    """LR and BH start from their least-squares fit; a rate that only hurts leaves them there."""
+    from hf_tensorcomp.methods.rotor import build, closed_form_start
+    from hf_tensorcomp.healing import fit, relative_mse
+
+    lin = torch.nn.Linear(48, 48)
+    x = torch.randn(512, 48, generator=_g(3)) @ torch.randn(48, 48, generator=_g(4))
+    opts = {"seed": 0, "blocks": 4}
+    new = build(structure, 48, 48, opts, bias=lin.bias.detach())
+    closed_form_start(new, lin, x)
+    start = relative_mse(new, lin, x)
+    rand = build(structure, 48, 48, opts, bias=lin.bias.detach())
+    assert start < relative_mse(rand, lin, x)  # the closed form is a better start than the random one
+    fit(new, lin, x, lr=5.0, epochs=2, batch_size=64)  # diverges
+    assert relative_mse(new, lin, x) <= start + 1e-9

@@ -8,8 +8,13 @@ method needs calibration data.
 ``structure`` picks the stand-in, so the paper's comparison is one option away:
 
 - ``"rotor"``: `RotorLinear`, the rotor gadget (``chunk``, ``chunking``, ``depth``, ``width``, ``double``);
-- ``"lr1"`` / ``"lr4"``: `LowRankLinear` of rank 1 / 4, both factors trained (random init);
+- ``"lr1"`` / ``"lr4"``: `LowRankLinear` of rank 1 / 4, both factors trained;
 - ``"bh1"``: `BlockHadamardLinear`, block-diagonal (``blocks``) after a fixed Hadamard transform.
+
+``init="closed_form"`` (default): LR and BH start from their least-squares fit on the calibration
+inputs (whitened SVD; per-block least squares), so training can only improve on the closed form;
+``init="random"``: the paper's seeded random start. Training keeps its best iterate (`fit`), so a
+trained stand-in never ends worse than where it started.
 
 Training (`hf_tensorcomp.healing.fit`): Adam, one epoch, seeded shuffle, linear warm-up then cosine
 decay per step; learning rate 0.05 and batch size 64 (the paper's rotor setting) for every structure,
@@ -38,6 +43,8 @@ import time
 import torch
 from torch import nn
 
+from ..decompositions.hadamard import hadamard_transform
+from ..decompositions.svd import whitened_svd, whitening_factor
 from ..layers import BlockHadamardLinear, LowRankLinear, RotorLinear
 from ..layers.block_hadamard import check_blocks
 from ..layers.rotor import CHUNKINGS, check_layout, hidden_width
@@ -51,6 +58,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 #: LR / BH setting (0.01, 256) left them far from converged in one epoch of 16k SmolLM2 tokens
 #: (LR1 relative MSE 0.99 against 0.21 at 0.05 / 64, its closed-form optimum); pass lr= / batch_size=
 #: to use it.
+INITS = ("closed_form", "random")
 FIT_DEFAULTS = {"rotor": (0.05, 64), "lr1": (0.05, 64), "lr4": (0.05, 64), "bh1": (0.05, 64)}
 LOSS_POINTS = 50  # the loss history kept in stats is thinned to about this many points
 
@@ -71,6 +79,24 @@ def build(structure: str, d_in: int, d_out: int, opts: dict, bias: torch.Tensor 
     return LowRankLinear.from_factors(u.to(device), v.to(device), bias, dtype=torch.float32)
 
 
+@torch.no_grad()
+def closed_form_start(new: nn.Module, dense: nn.Linear, x: torch.Tensor) -> None:
+    """Put `new` at its least-squares fit of ``dense`` on the inputs `x` where one has a closed form: a
+    `LowRankLinear` at the whitened truncated SVD (the best rank-r map for the output error on `x`), a
+    `BlockHadamardLinear` at each block's least squares on the Hadamard-mixed inputs. A rotor has none
+    and keeps its seeded start."""
+    w = dense.weight.detach().float()
+    if isinstance(new, LowRankLinear):
+        u, v, _ = whitened_svd(w, new.rank, whitening_factor(x.T.double() @ x.double(), 1e-6))
+        new.weight.copy_(torch.cat([v, u.T], dim=1).to(new.weight))
+    elif isinstance(new, BlockHadamardLinear):
+        h = torch.nn.functional.pad(x, (0, new.padded - new.in_features))
+        h = hadamard_transform(h).view(-1, new.blocks, new.padded // new.blocks).double()
+        y = (x @ w.T).view(-1, new.blocks, new.out_features // new.blocks).double()
+        for b in range(new.blocks):
+            new.weight[b].copy_(torch.linalg.lstsq(h[:, b], y[:, b]).solution.T.to(new.weight))
+
+
 def num_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -89,7 +115,7 @@ class Rotor(Method):
         # block-Hadamard
         "blocks": 64,
         # training
-        "lr": None, "batch_size": None, "epochs": 1, "warmup": 0.05, "seed": 0,
+        "lr": None, "batch_size": None, "epochs": 1, "warmup": 0.05, "seed": 0, "init": "closed_form",
         # the paper's retraining of a fresh dense o_proj after q/k/v are replaced (not part of the count there)
         "retrain_o": False, "o_epochs": 15, "o_lr": 1e-3,
     }
@@ -110,6 +136,9 @@ class Rotor(Method):
             fail("depth", o["depth"], "an int >= 0 (hidden rotor levels between the input and output maps)")
         if not is_int(o["width"], 1):
             fail("width", o["width"], "an int >= 1 (parallel rotor maps per hidden level)")
+        if o["init"] not in INITS:
+            fail("init", o["init"], choices(INITS) + " (closed_form: LR / BH start from their least-squares fit on the "
+                 "calibration inputs; the rotor, which has none, from its seeded random init)")
         for flag in ("double", "retrain_o"):
             if not isinstance(o[flag], bool):
                 fail(flag, o[flag], "True | False")
@@ -175,6 +204,8 @@ class Rotor(Method):
                 raise ValueError(f"rotor: calibration inputs for {name} are {tuple(x.shape)}, expected (tokens, {lin.in_features})")
             bias = lin.bias.detach().float() if lin.bias is not None else None
             new = build(structure, lin.in_features, lin.out_features, o, bias=bias, device=dev)
+            if o["init"] == "closed_form":
+                closed_form_start(new, lin, x)
             t0 = time.perf_counter()
             history = fit(new, lin, x, lr=lr, epochs=o["epochs"], batch_size=batch_size, seed=o["seed"],
                           warmup=o["warmup"], progress=progress, desc=f"rotor[{structure}] {name}")
