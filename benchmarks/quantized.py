@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, decode_tokens_per_s, load_recipe, markdown_table, write_json  # noqa: E402
+from common import RESULTS, _without_inference_mode, decode_tokens_per_s, load_recipe, markdown_table, write_json  # noqa: E402
 
 NAME = "quantized"
 DEFAULTS = {
@@ -127,6 +127,7 @@ def _one(job: dict, q) -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         if job["row"] != "dense":
             _quanto(model, int(job["row"][-1]))
+            _without_inference_mode(model)  # quanto's int4 weights fail under inference mode
     else:
         fields = dict(ROWS[job["row"]])
         if fields["method"] == "qlr" or "factor_bits" in fields:

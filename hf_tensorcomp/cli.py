@@ -113,7 +113,7 @@ def _ppl(model, tok, args) -> float:
 
 def _calibration(value):
     """A bundled text name as is; a file path read as one text per non-empty line."""
-    if value is None or value in ("wikipedia", "owt") or not Path(value).is_file():
+    if value is None or value in ("wikipedia", "owt", "wikipedia+owt") or not Path(value).is_file():
         return value  # a bad name is reported by the config, naming the field
     return [line for line in Path(value).read_text(encoding="utf-8").splitlines() if line.strip()]
 
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", type=float, default=None,
                    help="instead of --rank: fraction of the targeted modules' parameters kept, allocated across them")
     c.add_argument("--calibration", default=None,
-                   help="calibration text: wikipedia | owt (their calib split) or a text file (one paragraph per line)")
+                   help="calibration text: wikipedia | owt | wikipedia+owt (their calib splits) or a text file (one paragraph per line)")
     c.add_argument("--calibration-samples", type=int, default=32, help="calibration windows (default 32)")
     c.add_argument("--calibration-length", type=int, default=256, help="tokens per calibration window (default 256)")
     c.add_argument("--no-propagate", action="store_true", help="calibrate every layer on the dense model's activations")

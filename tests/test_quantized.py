@@ -186,3 +186,18 @@ def test_rows_not_a_multiple_of_the_group_are_padded_per_row(data):
     g = quantize_gptq(w, x.T @ x, 4, 64)
     assert g.codes.numel() == q.codes.numel()
     assert ((w - g.dequantize()) @ x.T).norm() < ((w - q.dequantize()) @ x.T).norm()
+
+
+def test_qlr_exports_as_a_base_and_a_peft_adapter(tiny_dirs, tmp_path, ids):
+    """The pair loads with transformers and PEFT alone and computes the same logits."""
+    from peft import PeftModel
+
+    from hf_tensorcomp.integration.peft import export_qlr
+
+    m = _qlr(tiny_dirs, rank=4)
+    export_qlr(m, tmp_path / "base", tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    assert getattr(base.config, "quantization_config", None) is None
+    pair = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.allclose(pair(ids).logits, m(ids).logits, atol=1e-5)

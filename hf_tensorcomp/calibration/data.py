@@ -22,8 +22,8 @@ import torch
 
 from ..validation import fail
 
-BUNDLED = ("wikipedia", "owt")
-ALLOWED = ("a bundled text name ('wikipedia' | 'owt'), a list of strings, a datasets.Dataset with a 'text' column, "
+BUNDLED = ("wikipedia", "owt", "wikipedia+owt")
+ALLOWED = ("a bundled text name ('wikipedia' | 'owt' | 'wikipedia+owt': both, paragraphs alternating), a list of strings, a datasets.Dataset with a 'text' column, "
            "or token ids (a 2-D LongTensor or list of lists of ints)")
 
 
@@ -91,7 +91,8 @@ def calibration_ids(value: Any, tokenizer, samples: int, length: int, seed: int)
     if isinstance(value, str):
         from ..assets import load_text
 
-        texts = load_text(value, "calib")
+        parts = [load_text(name, "calib") for name in value.split("+")]
+        texts = [t for group in zip(*parts) for t in group]  # alternating: windows come from both kinds of text
     elif isinstance(value, list):
         texts = value
     else:

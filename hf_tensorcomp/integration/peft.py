@@ -103,3 +103,61 @@ def load_lora(model, adapter_dir, **kwargs) -> PeftModel:
     """`PeftModel.from_pretrained` for an adapter trained on a compressed model."""
     config = register(LoraConfig.from_pretrained(adapter_dir))
     return PeftModel.from_pretrained(model, adapter_dir, config=config, **kwargs)
+
+
+def export_qlr(model, base_dir, adapter_dir, dtype=None) -> tuple[str, str]:
+    """Export a ``qlr`` model as the pair other tools run: a quantized base plus a LoRA adapter.
+
+    (a) `base_dir`: a plain transformers checkpoint (no hf_tensorcomp needed to load it) whose
+    replaced linears hold Q(W) de-quantized to `dtype` (default: the model's); (b) `adapter_dir`: a
+    PEFT LoRA adapter holding each layer's correction (``lora_A`` = A, ``lora_B`` = B, scaling 1, the
+    rank of each layer in ``rank_pattern``). ``PeftModel.from_pretrained(AutoModelForCausalLM.
+    from_pretrained(base_dir), adapter_dir)`` computes what the hf_tensorcomp model computes. The base
+    is written de-quantized: the codes' grid (integer zero points, float16 scales, groups along rows)
+    is the one GPTQ-style loaders use, but writing their packed layout is left to those tools.
+    Returns the two folders.
+    """
+    import copy
+
+    from peft import get_peft_model
+
+    from .io import atomic_dir
+
+    plain_cfg = copy.deepcopy(model.config)
+    for key in ("quantization_config",):
+        if hasattr(plain_cfg, key):
+            delattr(plain_cfg, key)
+    base = type(model)(plain_cfg)
+    dtype = dtype or next(model.parameters()).dtype
+    state, ranks, factors = {}, {}, {}
+    qlr = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLowRankLinear)}
+    if not qlr:
+        raise ValueError("export_qlr: the model has no qlr layers; allowed: a model compressed with method='qlr'")
+    for name, m in qlr.items():
+        state[f"{name}.weight"] = m.weight.detach()
+        if m.bias is not None:
+            state[f"{name}.bias"] = m.bias.detach()
+        if m.rank:
+            ranks[name], factors[name] = m.rank, (m.lora_A.detach(), m.lora_B.detach())
+    for name, t in model.state_dict().items():
+        owner = name.rpartition(".")[0]
+        if owner not in qlr:
+            state[name] = t
+    base.load_state_dict(state, strict=False)
+    base.tie_weights()
+    base = base.to(dtype)
+    with atomic_dir(base_dir) as tmp:
+        base.save_pretrained(tmp)
+    if not ranks:
+        raise ValueError("export_qlr: every qlr layer has rank 0 (no correction): the base alone is the model")
+    config = LoraConfig(r=max(ranks.values()), lora_alpha=max(ranks.values()), lora_dropout=0.0,
+                        target_modules=sorted(ranks), rank_pattern=dict(ranks), alpha_pattern=dict(ranks))
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, (a, b) in factors.items():
+            layer = peft_model.base_model.model.get_submodule(name)
+            layer.lora_A["default"].weight.copy_(a)
+            layer.lora_B["default"].weight.copy_(b)
+    with atomic_dir(adapter_dir) as tmp:
+        peft_model.save_pretrained(tmp)
+    return str(base_dir), str(adapter_dir)

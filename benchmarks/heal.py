@@ -1,0 +1,190 @@
+"""Healing: perplexity against bytes before and after a short distillation toward the dense model.
+
+Each row compresses a bundled model (calibration: the Wikipedia calib split), scores it, heals it
+end to end (`hf_tensorcomp.heal`: KL to the dense model's next-token distributions on calibration
+windows, a held-out slice of them deciding which iterate is kept) and scores it again: perplexity on
+the Wikipedia eval split and on OpenWebText's (text of another kind than the calibration), bytes of
+the decoder linears vs bf16, healing time and peak memory. Each row runs in a child process.
+
+    python benchmarks/heal.py                 # the grid (rows already in the JSON are kept)
+    python benchmarks/heal.py --report-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, load_recipe, markdown_table, write_json  # noqa: E402
+from quantized import _linear_bytes  # noqa: E402
+
+NAME = "heal"
+DEFAULTS = {
+    "models": ["smollm2", "gemma3"],
+    "rows": ["laser0.8", "laser0.6", "qlr_bytes_0.27"],
+    "eval_tokens": 8192,
+    "calibration_samples": 32,
+    "calibration_length": 256,
+    "heal": {"steps": 100, "lr": 1e-4, "samples": 64, "length": 256, "batch_size": 4, "eval_every": 25},
+    "threads": 2,
+}
+ROWS = {
+    "laser0.8": {"method": "laser", "target": 0.8, "whiten": True, "weighting": "fisher", "targets": ["*_proj"]},
+    "laser0.6": {"method": "laser", "target": 0.6, "whiten": True, "weighting": "fisher", "targets": ["*_proj"]},
+    "qlr_bytes_0.27": {"method": "qlr", "target_bytes": 0.27, "group_size": 128},
+}
+
+
+def _ppl(model, tok, job) -> dict:
+    import torch
+
+    from hf_tensorcomp import assets
+    from hf_tensorcomp.eval import perplexity
+
+    out = {}
+    for corpus in ("wikipedia", "owt"):
+        with torch.no_grad():
+            out[corpus] = perplexity(model, tok, assets.load_text(corpus, "eval"), context_length=512, stride=512,
+                                     max_tokens=job["eval_tokens"], progress=False)["ppl"]
+    return out
+
+
+def _one(job: dict, q) -> None:
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    os.environ["HF_TENSORCOMP_THREADS"] = str(job["threads"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_tensorcomp
+    from hf_tensorcomp import TensorCompressionConfig, assets
+
+    path = assets.model_path(job["model"])
+    tok = AutoTokenizer.from_pretrained(path)
+    row = {"model": job["model"], "row": job["row"]}
+    if job["row"] == "dense":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        row["ppl"] = _ppl(model, tok, job)
+        row["linear_bytes"] = 1.0
+    else:
+        cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", calibration_samples=job["calibration_samples"],
+                                      calibration_length=job["calibration_length"], **ROWS[job["row"]])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg).eval()
+        stored, dense = _linear_bytes(model)
+        row["linear_bytes"] = stored / dense
+        row["ppl_before"] = _ppl(model, tok, job)
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t0 = time.perf_counter()
+        row["heal"] = hf_tensorcomp.heal(model, calibration="wikipedia", progress=False, **job["heal"])
+        row["heal_s"] = round(time.perf_counter() - t0, 1)
+        row["heal_peak_rss_mb"] = round(max(rss0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
+        row["ppl"] = _ppl(model, tok, job)
+    row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    q.put(row)
+
+
+def run(cfg: dict) -> list[dict]:
+    path = RESULTS / f"{NAME}.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    done = {(r["model"], r["row"]) for r in rows}
+    ctx = mp.get_context("spawn")
+    for label in ["dense", *cfg["rows"]]:
+        for model in cfg["models"]:
+            if (model, label) in done:
+                continue
+            q = ctx.Queue()
+            p = ctx.Process(target=_one, args=({**cfg, "model": model, "row": label}, q))
+            p.start()
+            while p.is_alive() and q.empty():
+                time.sleep(1)
+            if q.empty():
+                print(f"{model} {label}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
+                continue
+            rows.append(q.get())
+            p.join()
+            print(json.dumps(rows[-1]), flush=True)
+            write_json(f"{NAME}.json", rows)
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        rs = [r for r in rows if r["model"] == model]
+        dense = next((r for r in rs if r["row"] == "dense"), None)
+        if dense is None:
+            continue
+        table = []
+        for r in rs:
+            if r["row"] == "dense":
+                continue
+            t = {"row": r["row"], "linear_bytes": r["linear_bytes"], "heal_s": r["heal_s"],
+                 "rss": r["heal_peak_rss_mb"], "kl": f"{r['heal']['held_out_kl_before']:.4f} → {r['heal']['held_out_kl_after']:.4f}"}
+            for c in ("wikipedia", "owt"):
+                t[f"before_{c}"] = r["ppl_before"][c] / dense["ppl"][c]
+                t[f"after_{c}"] = r["ppl"][c] / dense["ppl"][c]
+            table.append(t)
+        out.append(f"### {model} (dense perplexity: Wikipedia {dense['ppl']['wikipedia']:.2f}, OpenWebText "
+                   f"{dense['ppl']['owt']:.2f})\n")
+        out.append(markdown_table(table, [
+            ("row", "row", "{}"), ("linear_bytes", "linear bytes vs bf16", "{:.3f}"),
+            ("before_wikipedia", "Wikipedia before", "{:.3f}x"), ("after_wikipedia", "Wikipedia healed", "{:.3f}x"),
+            ("before_owt", "OpenWebText before", "{:.3f}x"), ("after_owt", "OpenWebText healed", "{:.3f}x"),
+            ("kl", "held-out KL", "{}"), ("heal_s", "healing s", "{:.0f}"), ("rss", "peak RSS MB", "{:,}")]))
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rs = [r for r in rows if r["model"] == model]
+        dense = next((r for r in rs if r["row"] == "dense"), None)
+        if dense is None:
+            continue
+        for corpus, marker in (("wikipedia", "o"), ("owt", "x")):
+            for key, style, label in (("ppl_before", ":", "compressed"), ("ppl", "-", "healed")):
+                pts = sorted((r["linear_bytes"], r[key][corpus] / dense["ppl"][corpus]) for r in rs if key in r and r["row"] != "dense")
+                if pts:
+                    ax.plot(*zip(*pts), marker=marker, linestyle=style, label=f"{label} ({corpus})")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel("decoder-linear bytes vs bf16")
+        ax.set_ylabel("perplexity vs dense")
+        ax.set_title(model)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe")
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    cfg = load_recipe(args.recipe, DEFAULTS)
+    rows = json.loads((RESULTS / f"{NAME}.json").read_text()) if args.report_only else run(cfg)
+    md = report(rows)
+    (RESULTS / f"{NAME}.md").write_text(
+        "# Healing: end-to-end distillation toward the dense model\n\n"
+        f"Calibration and healing text: Wikipedia calib split; healing {cfg['heal']}; perplexity: {cfg['eval_tokens']} "
+        "tokens of each eval split, 512-token windows; ratios to the dense model. Written by benchmarks/heal.py.\n\n" + md)
+    plot(rows, RESULTS / f"{NAME}.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
