@@ -26,10 +26,11 @@ BITS = (2, 4, 8)
 
 @dataclass
 class QTensor:
-    """A quantized tensor: codes (unpacked uint8, row by row, each row padded to whole groups) with a
-    scale and a zero point per group; rows are the tensor's leading dims flattened (a 1-D tensor is one row)."""
+    """A quantized tensor: codes (unpacked uint8, row by row) with a scale and a zero point per group of
+    each row (the last group of a row may be short); rows are the tensor's leading dims flattened (a 1-D
+    tensor is one row)."""
 
-    codes: torch.Tensor  # (rows * groups_per_row * group_size,) uint8
+    codes: torch.Tensor  # (rows * cols,) uint8 (at least; extra trailing codes from packing are ignored)
     scale: torch.Tensor  # (rows * groups_per_row,) float16
     zero: torch.Tensor  # (rows * groups_per_row,) uint8
     bits: int
@@ -38,7 +39,7 @@ class QTensor:
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         rows, cols = _rows_cols(self.shape)
-        g = self.codes.view(-1, self.group_size).to(dtype)
+        g = _groups(self.codes[: rows * cols].view(rows, cols).to(dtype), self.group_size)
         w = (g - self.zero.to(dtype)[:, None]) * self.scale.to(dtype)[:, None]
         return w.view(rows, -1)[:, :cols].reshape(self.shape)
 
@@ -54,10 +55,15 @@ def n_groups(shape, group_size: int) -> int:
     return rows * -(-cols // group_size)
 
 
+def code_bytes(numel: int, bits: int) -> int:
+    """Bytes of `numel` packed codes (`pack`)."""
+    return -(-numel * bits // 8)
+
+
 def stored_bytes(shape, bits: int, group_size: int) -> int:
-    """Bytes of a quantized tensor as saved: packed codes + a float16 scale and a uint8 zero per group."""
-    groups = n_groups(shape, group_size)
-    return groups * group_size * bits // 8 + groups * 3
+    """Bytes of a quantized tensor as saved: packed codes (rows not padded: a short last group costs no
+    codes) + a float16 scale and a uint8 zero per group."""
+    return code_bytes(math.prod(shape), bits) + n_groups(shape, group_size) * 3
 
 
 def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -95,7 +101,8 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int) -> QTensor:
         raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
     groups = _groups(w.detach().float(), group_size)
     scale, zero = _grid(groups, bits)
-    codes = _codes(groups, scale, zero, bits)
+    rows, cols = _rows_cols(tuple(w.shape))
+    codes = _codes(groups, scale, zero, bits).view(rows, -1)[:, :cols]
     return QTensor(codes.to(torch.uint8).reshape(-1), scale.half(), zero.to(torch.uint8), bits, group_size, tuple(w.shape))
 
 
@@ -138,7 +145,6 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: in
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    codes = _groups(codes, group_size)  # rows padded to whole groups, as `quantize_rtn` stores them
     return QTensor(codes.to(torch.uint8).reshape(-1), scales.reshape(-1).half(), zeros.reshape(-1).to(torch.uint8),
                    bits, group_size, (out_f, in_f))
 
@@ -146,7 +152,10 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: in
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes of `bits` bits -> bytes holding ``8 // bits`` codes each, lowest bits first."""
     per = 8 // bits
-    c = codes.reshape(-1, per).to(torch.int32)
+    c = codes.reshape(-1)
+    if c.numel() % per:
+        c = torch.cat([c, c.new_zeros(per - c.numel() % per)])
+    c = c.reshape(-1, per).to(torch.int32)
     shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     return (c << shifts).sum(1).to(torch.uint8)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..decompositions.quantize import BITS, QTensor, n_groups, pack, quantize_rtn, unpack
+from ..decompositions.quantize import BITS, QTensor, code_bytes, n_groups, pack, quantize_rtn, unpack
 
 LAYER_TYPES: dict[str, type["FactorizedModule"]] = {}
 
@@ -109,7 +109,7 @@ class FactorizedModule(nn.Module):
             p = self._parameters.pop(n)
             groups = n_groups(p.shape, group_size)
             if p.is_meta:
-                codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8, device="meta")
+                codes = torch.empty(code_bytes(p.numel(), bits), dtype=torch.uint8, device="meta")
                 scale = torch.empty(groups, dtype=torch.float16, device="meta")
                 zero = torch.empty(groups, dtype=torch.uint8, device="meta")
             else:
