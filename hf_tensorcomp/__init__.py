@@ -12,8 +12,9 @@ from .healing import heal
 from .integration import AutoModelForCausalLM, TensorCompQuantizer, compress
 from .integration.hub import model_card, push_to_hub, write_model_card
 from .layers import LowRankLinear
+from .streaming import compress_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["TensorCompressionConfig", "compress", "heal", "EinSortCache", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "model_card",
+__all__ = ["TensorCompressionConfig", "compress", "compress_checkpoint", "heal", "EinSortCache", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "model_card",
            "push_to_hub", "write_model_card", "__version__"]

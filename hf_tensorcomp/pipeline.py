@@ -57,16 +57,20 @@ def fixed_threads():
         torch.set_num_threads(before)
 
 
-def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None) -> dict:
+def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None, stream=None) -> dict:
     """Compress in place, one unit of layers at a time (peak memory: the model plus one unit's factors).
 
     Runs the stages in the module docstring. Fills ``config.compressed_modules`` (factored modules)
-    and ``config.stats``, and returns the stats.
+    and ``config.stats``, and returns the stats. `stream` (`hf_tensorcomp.streaming`): the decoder
+    layers live on the meta device and are loaded (``stream.load(li)``) just before they are needed
+    and written out and released (``stream.release(li)``) once done; `stream.release` of every layer
+    is called exactly once, in order.
     """
     work = plan(model, config) if work is None else work  # 1. plan
     prefix, layer_list = find_decoder_layers(model)
-    for _, names in work:  # every dense weight checked before any work (allocation reads them all)
-        checks.check_inputs({n: layer_list.get_submodule(n) for n in names}, prefix)
+    if stream is None:
+        for _, names in work:  # every dense weight checked before any work (allocation reads them all)
+            checks.check_inputs({n: layer_list.get_submodule(n) for n in names}, prefix)
     params_before = sum(p.numel() for p in model.parameters())
     bytes_before = model_bytes(model)
     t0 = time.perf_counter()
@@ -74,9 +78,9 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
     was_training = model.training
     model.eval()  # calibration and statistics without dropout; trainers set their own mode
     try:
-        runner = calibrate(model, config, work, methods)  # 2. calibrate
-        allocation = allocate(config, work, methods, layer_list, runner)  # 3. allocate
-        module_stats = compress_units(model, config, work, methods, runner, allocation)  # 4. compress + check
+        runner = calibrate(model, config, work, methods, stream)  # 2. calibrate
+        allocation = allocate(config, work, methods, layer_list, runner, stream)  # 3. allocate
+        module_stats = compress_units(model, config, work, methods, runner, allocation, stream)  # 4. compress + check
         finished = {}
         ctx = model_context(model)
         for k, entry in enumerate(config.entries):  # a method's whole-model step after its units (e.g. recovery)
@@ -85,8 +89,8 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
                 finished[str(k)] = done
     finally:
         model.train(was_training)
-    stats = record(model, config, (params_before, bytes_before), time.perf_counter() - t0, module_stats, finished, runner,
-                   allocation)  # 5.
+    record(model, config, (params_before, bytes_before), time.perf_counter() - t0, module_stats, finished, runner,
+           allocation)  # 5.
     if config.heal:  # 6. heal: distil toward the dense model this one was made from
         from .healing import heal
 
@@ -96,7 +100,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None)
     return config.stats
 
 
-def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods):
+def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, stream=None):
     """Stage 2: a `LayerwiseRunner` over the calibration text when any entry needs data (for its
     units, or for its global allocation), with the dense model's sensitivities attached; else None."""
     entries = config.entries
@@ -117,11 +121,15 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods):
                          f"of {vocab} ({bad.numel()} such ids); allowed: ids in [0, {vocab}), or texts")
     runner = LayerwiseRunner(model, prefix, layer_list, ids, config.calibration_batch_size)
     sensitive = [n for k, names in work for n in names if "fisher" in needs[k] | ladder[k]]
+    graded = [n for k, names in work for n in names if "weight_grad" in needs[k]]
+    if stream is not None and (sensitive or graded):
+        raise ValueError("compress_checkpoint: Fisher weighting, a Fisher-weighted global allocation and weight "
+                         "gradients need a backward pass of the whole dense model, which streaming never holds; "
+                         "allowed: weighting=None with allocation='relative' | 'uniform', or compress in memory")
     if sensitive:  # one backward pass of the dense model, before anything changes
         from .calibration.sensitivity import output_fisher
 
         runner.fisher, runner.fisher_fallback = output_fisher(model, layer_list, sensitive, runner.ids, prefix)
-    graded = [n for k, names in work for n in names if "weight_grad" in needs[k]]
     if graded:  # the loss gradient of the dense model's weights, before anything changes
         from .calibration.sensitivity import weight_gradients
 
@@ -129,7 +137,8 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods):
     return runner
 
 
-def compress_units(model: nn.Module, config: TensorCompressionConfig, work, methods, runner, allocation) -> dict:
+def compress_units(model: nn.Module, config: TensorCompressionConfig, work, methods, runner, allocation,
+                   stream=None) -> dict:
     """Stage 4: every unit compressed, checked and put in place; layer by layer with calibration.
 
     A unit is compressed once its last layer's statistics are in; with ``config.propagate`` the
@@ -144,6 +153,8 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
         entry = config.entries[k]
         unit_ctx = replace(ctx, stats=stats, ranks=allocation.get(k, {}).get("rungs"), layers=layer_list)
         mods = {n: layer_list.get_submodule(n) for n in names}
+        if stream is not None:  # streamed weights are checked as they arrive
+            checks.check_inputs(mods, prefix)
         with fixed_threads():
             result = methods[k].compress(mods, entry, unit_ctx)
         checks.check_outputs(result, mods, prefix, entry, methods[k].remedy)
@@ -160,7 +171,11 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
 
     if runner is None:
         for k, names in tqdm(work, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="unit"):
+            if stream is not None:
+                stream.upto(max(_layer_of(n) for n in names))
             compress_unit(k, names, None)
+        if stream is not None:
+            stream.upto(len(layer_list) - 1, release_last=True)
         return module_stats
     by_last: dict[int, list] = {}
     for k, names in work:
@@ -174,7 +189,9 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
             compress_unit(k, names, {n: pending.pop(n) for n in names if n in pending} if needs[k] else None)
         return li in by_last
 
-    runner.run(wanted, on_layer, last=max(by_last), propagate=config.propagate, progress=config.progress)
+    runner.run(wanted, on_layer, last=max(by_last), propagate=config.propagate, progress=config.progress, stream=stream)
+    if stream is not None:
+        stream.upto(len(layer_list) - 1, release_last=True)
     return module_stats
 
 
@@ -252,7 +269,7 @@ def calibration_tokenizer(model: nn.Module, calibration, tokenizer=None):
                          "allowed: a tokenizer object or path, or token ids as calibration") from None
 
 
-def allocate(config, work, methods, layer_list, runner) -> dict[int, dict]:
+def allocate(config, work, methods, layer_list, runner, stream=None) -> dict[int, dict]:
     """Stage 3: per entry with a global `target`, the rung of every module's ladder, meeting the budget."""
     from .decompositions.allocation import allocate as allocate_rungs
 
@@ -272,9 +289,15 @@ def allocate(config, work, methods, layer_list, runner) -> dict[int, dict]:
                     ladders[n] = m.ladder(n, layer_list.get_submodule(n), st, entry)
                 return False
 
+            reading = None if stream is None else stream.reader()
             runner.run(wanted, on_layer, last=max(wanted), propagate=False, progress=config.progress,
-                       desc=f"hf_tensorcomp: allocating {entry.method} target={m.budget(entry)}")
+                       desc=f"hf_tensorcomp: allocating {entry.method} target={m.budget(entry)}", stream=reading)
+            if reading is not None:
+                reading.close()
         else:
+            if stream is not None:
+                raise ValueError("compress_checkpoint: a data-free global allocation reads every weight first; allowed: "
+                                 "calibration= (its allocation pass streams the layers), or rank=")
             ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry) for n in names}
         total = sum(layer_list.get_submodule(n).weight.numel() for n in names)
         budget = m.budget(entry) * total

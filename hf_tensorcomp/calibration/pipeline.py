@@ -101,14 +101,18 @@ class LayerwiseRunner:
         propagate: bool = True,
         progress: bool = True,
         desc: str = "hf_tensorcomp: calibrated compression",
+        stream=None,
     ) -> None:
         """Layers 0..last in order: gather `wanted[li]` ({module name under the layer list: kinds}),
-        call ``on_layer(li, stats)`` (True if it changed the layer), move the hidden states on."""
+        call ``on_layer(li, stats)`` (True if it changed the layer), move the hidden states on.
+        `stream`: ``stream.upto(li)`` before layer ``li`` runs (loads it, releases those before it)."""
         hidden = list(self.hidden)
         # a second, dense stream only when some module asks for "cross" and the streams can differ
         paired = propagate and any("cross" in k for w in wanted.values() for k in w.values())
         dense = list(self.hidden) if paired else None
         for li in tqdm(range(last + 1), desc=desc, disable=not progress, unit="layer"):
+            if stream is not None:  # layers streamed from a checkpoint: this one loaded, the ones before released
+                stream.upto(li)
             want = {n: k - PASS_KINDS for n, k in wanted.get(li, {}).items()}
             dense_inputs = None
             if paired:
