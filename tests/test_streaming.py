@@ -1,0 +1,88 @@
+"""Streaming compression (`hf_tensorcomp.compress_checkpoint`): the same factors as in memory, one layer at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_tensorcomp
+from hf_tensorcomp import TensorCompressionConfig
+from tiny import VOCAB, _tiny
+
+CAL = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """Each tiny architecture saved in many small shards (tied embeddings on the Llama)."""
+    out = {}
+    for arch in ("llama", "gemma3"):
+        torch.manual_seed(0)
+        d = tmp_path_factory.mktemp(f"sharded-{arch}")
+        _tiny(arch).save_pretrained(d, max_shard_size="20KB")
+        assert len(list(d.glob("*.safetensors"))) > 5
+        out[arch] = d
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("kw", [dict(method="laser", rank=4),
+                                dict(method="laser", target=0.7, whiten=True, allocation="relative", calibration=CAL),
+                                dict(method="qlr", rank=4, group_size=16, calibration=CAL),
+                                dict(method="tensorllm", ratio=2.0)])
+def test_streaming_gives_the_factors_of_in_memory_compression(sharded, tmp_path, arch, kw, ids):
+    memory = AutoModelForCausalLM.from_pretrained(sharded[arch], quantization_config=TensorCompressionConfig(progress=False, **kw))
+    report = hf_tensorcomp.compress_checkpoint(sharded[arch], tmp_path / "out", TensorCompressionConfig(progress=False, **kw))
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists() and len(report["seconds_per_layer"]) == 3
+    streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    a, b = memory.state_dict(), streamed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        assert torch.equal(memory(ids).logits, streamed(ids).logits)
+
+
+def test_a_failed_run_leaves_no_output_and_overwrite_is_explicit(sharded, tmp_path, monkeypatch):
+    from hf_tensorcomp import streaming
+
+    def boom(self, li, write):
+        raise RuntimeError("killed")
+
+    cfg = dict(method="laser", rank=4, progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(streaming.LayerStream, "_release", boom)
+        with pytest.raises(RuntimeError, match="killed"):
+            hf_tensorcomp.compress_checkpoint(sharded["llama"], tmp_path / "out", TensorCompressionConfig(**cfg))
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir()]
+    hf_tensorcomp.compress_checkpoint(sharded["llama"], tmp_path / "out", TensorCompressionConfig(**cfg))
+    with pytest.raises(ValueError, match="out: .* exists and is not empty; allowed: .* overwrite=True"):
+        hf_tensorcomp.compress_checkpoint(sharded["llama"], tmp_path / "out", TensorCompressionConfig(**cfg))
+    hf_tensorcomp.compress_checkpoint(sharded["llama"], tmp_path / "out", TensorCompressionConfig(**cfg), overwrite=True)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(method="laser", target=0.7, whiten=True, weighting="fisher", calibration=CAL), "backward pass of the whole"),
+    (dict(method="trawl", rank=4, formulation="whole_model"), "spans several decoder layers"),
+    (dict(method="laser", rank=4, calibration=CAL, heal=True), "heal: got"),
+])
+def test_what_needs_the_whole_model_is_refused_up_front(sharded, tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        hf_tensorcomp.compress_checkpoint(sharded["llama"], tmp_path / "out", TensorCompressionConfig(progress=False, **kw))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kw", [dict(method="laser", rank=4),
+                                dict(method="laser", target=0.7, whiten=True, allocation="relative", calibration=CAL)])
+def test_at_most_one_decoder_layer_is_ever_in_memory(sharded, tmp_path, monkeypatch, kw):
+    from hf_tensorcomp import streaming
+
+    most = []
+    real = streaming.LayerStream._load
+
+    def load(self, li):
+        real(self, li)
+        most.append(sum(any(p.device.type != "meta" for p in layer.parameters()) for layer in self.layers))
+
+    monkeypatch.setattr(streaming.LayerStream, "_load", load)
+    hf_tensorcomp.compress_checkpoint(sharded["gemma3"], tmp_path / "out", TensorCompressionConfig(progress=False, **kw))
+    assert most and max(most) == 1
