@@ -134,6 +134,12 @@ def cmd_compress(args) -> int:
     _check_out(out, args.overwrite)
     src = _resolve(args.model)
     dtype = getattr(torch, args.dtype)
+    if args.stream:
+        from . import compress_checkpoint
+
+        report = compress_checkpoint(src, out, cfg, dtype=dtype, overwrite=args.overwrite)
+        print(json.dumps({k: v for k, v in report.items() if k != "stats"}, indent=2))
+        return 0
     try:
         tok = transformers.AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as e:
@@ -331,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recipe", default=None, help="JSON file of compress options (see recipes/)")
     c.add_argument("--out", required=True, help="output folder (written atomically)")
     c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--stream", action="store_true",
+                   help="one decoder layer in memory at a time, read from the model folder's shards (no evaluation)")
     c.add_argument("--push-to-hub", metavar="REPO", default=None)
     c.add_argument("--no-eval", action="store_true", help="skip perplexity before/after")
     _eval_args(c)
