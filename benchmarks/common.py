@@ -159,3 +159,93 @@ def interleaved(models: dict, measures: dict, rounds: int = 3) -> dict:
             for label, fn in measures.items():
                 got.setdefault(f"{name} {label}", []).append(fn(m))
     return {k: statistics.median(v) for k, v in got.items()}
+
+
+def run_rows(name: str, labels: list[str], models: list[str], job: dict, target) -> list[dict]:
+    """One child process per (label, model) not yet in ``results/<name>.json`` (so its peak memory is its
+    own): ``target(job, queue)`` puts the row; rows are appended and written after each one."""
+    import multiprocessing as mp
+
+    path = RESULTS / f"{name}.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    done = {(r["model"], r["row"]) for r in rows}
+    ctx = mp.get_context("spawn")
+    for label in labels:
+        for model in models:
+            if (model, label) in done:
+                continue
+            q = ctx.Queue()
+            p = ctx.Process(target=target, args=({**job, "model": model, "row": label}, q))
+            p.start()
+            while p.is_alive() and q.empty():
+                time.sleep(1)
+            if q.empty():
+                print(f"{model} {label}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
+                continue
+            rows.append(q.get())
+            p.join()
+            print(json.dumps(rows[-1]), flush=True)
+            write_json(f"{name}.json", rows)
+    return rows
+
+
+def bench_main(doc: str, name: str, defaults: dict, run, report, plot, header) -> None:
+    """The command line every grid benchmark shares: ``--recipe FILE`` (overrides `defaults`) and
+    ``--report-only``; writes ``results/<name>.md`` (``header(cfg)`` then the report) and the plot."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe")
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    cfg = load_recipe(args.recipe, defaults)
+    rows = json.loads((RESULTS / f"{name}.json").read_text()) if args.report_only else run(cfg)
+    md = report(rows)
+    (RESULTS / f"{name}.md").write_text(header(cfg) + md)
+    plot(rows, RESULTS / f"{name}.png")
+    print(md)
+
+
+def child_setup(job: dict):
+    """A benchmark child's start: its thread count, the model's folder and tokenizer, and its row."""
+    from transformers import AutoTokenizer
+
+    from hf_tensorcomp.assets import model_path
+
+    torch.set_num_threads(job["threads"])
+    os.environ["HF_TENSORCOMP_THREADS"] = str(job["threads"])
+    path = model_path(job["model"])
+    return path, AutoTokenizer.from_pretrained(path), {"model": job["model"], "row": job["row"]}
+
+
+def ppl_both(model, tok, max_tokens: int) -> dict:
+    """Perplexity on the Wikipedia eval split and on OpenWebText's (512-token windows), outside inference
+    mode (quanto's int4 weights fail there)."""
+    out = {}
+    for corpus in ("wikipedia", "owt"):
+        with torch.inference_mode(False), torch.no_grad():
+            out[corpus] = perplexity(model, tok, load_text(corpus, "eval"), context_length=512, stride=512,
+                                     max_tokens=max_tokens, progress=False)["ppl"]
+    return out
+
+
+def ratio_plot(rows: list[dict], path: Path, draw) -> None:
+    """One panel per model of perplexity-vs-dense against decoder-linear bytes: ``draw(ax, model_rows)``
+    draws the lines; the axes, the dense line and the file are done here."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        draw(ax, [r for r in rows if r["model"] == model])
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel("decoder-linear bytes vs bf16")
+        ax.set_ylabel("perplexity vs dense")
+        ax.set_title(model)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -12,17 +12,13 @@ the decoder linears vs bf16, healing time and peak memory. Each row runs in a ch
 
 from __future__ import annotations
 
-import argparse
-import json
-import multiprocessing as mp
-import os
 import resource
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, load_recipe, markdown_table, write_json  # noqa: E402
+from common import bench_main, child_setup, markdown_table, ppl_both, ratio_plot, run_rows  # noqa: E402
 from quantized import _linear_bytes  # noqa: E402
 
 NAME = "heal"
@@ -42,36 +38,17 @@ ROWS = {
 }
 
 
-def _ppl(model, tok, job) -> dict:
-    import torch
-
-    from hf_tensorcomp import assets
-    from hf_tensorcomp.eval import perplexity
-
-    out = {}
-    for corpus in ("wikipedia", "owt"):
-        with torch.no_grad():
-            out[corpus] = perplexity(model, tok, assets.load_text(corpus, "eval"), context_length=512, stride=512,
-                                     max_tokens=job["eval_tokens"], progress=False)["ppl"]
-    return out
-
-
 def _one(job: dict, q) -> None:
     import torch
-
-    torch.set_num_threads(job["threads"])
-    os.environ["HF_TENSORCOMP_THREADS"] = str(job["threads"])
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import hf_tensorcomp
-    from hf_tensorcomp import TensorCompressionConfig, assets
+    from hf_tensorcomp import TensorCompressionConfig
 
-    path = assets.model_path(job["model"])
-    tok = AutoTokenizer.from_pretrained(path)
-    row = {"model": job["model"], "row": job["row"]}
+    path, tok, row = child_setup(job)
     if job["row"] == "dense":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        row["ppl"] = _ppl(model, tok, job)
+        row["ppl"] = ppl_both(model, tok, job["eval_tokens"])
         row["linear_bytes"] = 1.0
     else:
         cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", calibration_samples=job["calibration_samples"],
@@ -79,39 +56,19 @@ def _one(job: dict, q) -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg).eval()
         stored, dense = _linear_bytes(model)
         row["linear_bytes"] = stored / dense
-        row["ppl_before"] = _ppl(model, tok, job)
+        row["ppl_before"] = ppl_both(model, tok, job["eval_tokens"])
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
         row["heal"] = hf_tensorcomp.heal(model, calibration="wikipedia", progress=False, **job["heal"])
         row["heal_s"] = round(time.perf_counter() - t0, 1)
         row["heal_peak_rss_mb"] = round(max(rss0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
-        row["ppl"] = _ppl(model, tok, job)
+        row["ppl"] = ppl_both(model, tok, job["eval_tokens"])
     row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     q.put(row)
 
 
 def run(cfg: dict) -> list[dict]:
-    path = RESULTS / f"{NAME}.json"
-    rows = json.loads(path.read_text()) if path.exists() else []
-    done = {(r["model"], r["row"]) for r in rows}
-    ctx = mp.get_context("spawn")
-    for label in ["dense", *cfg["rows"]]:
-        for model in cfg["models"]:
-            if (model, label) in done:
-                continue
-            q = ctx.Queue()
-            p = ctx.Process(target=_one, args=({**cfg, "model": model, "row": label}, q))
-            p.start()
-            while p.is_alive() and q.empty():
-                time.sleep(1)
-            if q.empty():
-                print(f"{model} {label}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
-                continue
-            rows.append(q.get())
-            p.join()
-            print(json.dumps(rows[-1]), flush=True)
-            write_json(f"{NAME}.json", rows)
-    return rows
+    return run_rows(NAME, ["dense", *cfg["rows"]], cfg["models"], cfg, _one)
 
 
 def report(rows: list[dict]) -> str:
@@ -143,48 +100,27 @@ def report(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        rs = [r for r in rows if r["model"] == model]
+    def draw(ax, rs):
         dense = next((r for r in rs if r["row"] == "dense"), None)
         if dense is None:
-            continue
+            return
         for corpus, marker in (("wikipedia", "o"), ("owt", "x")):
             for key, style, label in (("ppl_before", ":", "compressed"), ("ppl", "-", "healed")):
-                pts = sorted((r["linear_bytes"], r[key][corpus] / dense["ppl"][corpus]) for r in rs if key in r and r["row"] != "dense")
+                pts = sorted((r["linear_bytes"], r[key][corpus] / dense["ppl"][corpus]) for r in rs
+                             if key in r and r["row"] != "dense")
                 if pts:
                     ax.plot(*zip(*pts), marker=marker, linestyle=style, label=f"{label} ({corpus})")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_yscale("log")
-        ax.set_xlabel("decoder-linear bytes vs bf16")
-        ax.set_ylabel("perplexity vs dense")
-        ax.set_title(model)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+
+    ratio_plot(rows, path, draw)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe")
-    ap.add_argument("--report-only", action="store_true")
-    args = ap.parse_args()
-    cfg = load_recipe(args.recipe, DEFAULTS)
-    rows = json.loads((RESULTS / f"{NAME}.json").read_text()) if args.report_only else run(cfg)
-    md = report(rows)
-    (RESULTS / f"{NAME}.md").write_text(
+def header(cfg: dict) -> str:
+    return (
         "# Healing: end-to-end distillation toward the dense model\n\n"
         f"Calibration and healing text: Wikipedia calib split; healing {cfg['heal']}; perplexity: {cfg['eval_tokens']} "
-        "tokens of each eval split, 512-token windows; ratios to the dense model. Written by benchmarks/heal.py.\n\n" + md)
-    plot(rows, RESULTS / f"{NAME}.png")
-    print(md)
+        "tokens of each eval split, 512-token windows; ratios to the dense model. Written by benchmarks/heal.py.\n\n"
+    )
 
 
 if __name__ == "__main__":
-    main()
+    bench_main(__doc__, NAME, DEFAULTS, run, report, plot, header)

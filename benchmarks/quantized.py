@@ -19,23 +19,20 @@ not run here, it pins another torch).
 
 from __future__ import annotations
 
-import argparse
-import json
-import multiprocessing as mp
-import os
 import resource
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, _without_inference_mode, decode_tokens_per_s, load_recipe, markdown_table, write_json  # noqa: E402
+from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table,  # noqa: E402
+                    ppl_both, ratio_plot, run_rows)
 
 NAME = "quantized"
 DEFAULTS = {
     "models": ["smollm2", "gemma3"],
-    "rows": ["dense", "quanto_int8", "quanto_int4", "rtn4", "gptq4", "rtn4_r32", "qlr4_r16", "qlr4_r32",
-             "qlr_bytes_0.21", "qlr_bytes_0.27", "qlr_bytes_0.33", "laser0.6_f8", "laser0.6_f4", "laser0.8"],
+    "rows": ["dense", "quanto_int8", "quanto_int4", "rtn4", "gptq4", "qlr4_r32", "qlr_bytes_0.27", "rtn4_r32",
+             "qlr_bytes_0.33", "qlr_bytes_0.21", "laser0.6_f8", "qlr4_r16", "laser0.6_f4"],
     "eval_tokens": 8192,
     "calibration_samples": 32,
     "calibration_length": 256,
@@ -48,15 +45,14 @@ DEFAULTS = {
 ROWS = {  # label -> TensorCompressionConfig fields
     "rtn4": {"method": "qlr", "rank": 0, "quantizer": "rtn", "whiten": False},
     "gptq4": {"method": "qlr", "rank": 0},
-    "rtn4_r32": {"method": "qlr", "rank": 32, "quantizer": "rtn"},
-    "qlr4_r16": {"method": "qlr", "rank": 16},
-    "qlr4_r32": {"method": "qlr", "rank": 32},
-    "qlr_bytes_0.21": {"method": "qlr", "target_bytes": 0.21},
-    "qlr_bytes_0.27": {"method": "qlr", "target_bytes": 0.27},
-    "qlr_bytes_0.33": {"method": "qlr", "target_bytes": 0.33},
+    "rtn4_r32": {"method": "qlr", "rank": 32, "quantizer": "rtn", "rounds": 1},
+    "qlr4_r16": {"method": "qlr", "rank": 16, "rounds": 1},
+    "qlr4_r32": {"method": "qlr", "rank": 32, "rounds": 1},
+    "qlr_bytes_0.21": {"method": "qlr", "target_bytes": 0.21, "rounds": 1},
+    "qlr_bytes_0.27": {"method": "qlr", "target_bytes": 0.27, "rounds": 1},
+    "qlr_bytes_0.33": {"method": "qlr", "target_bytes": 0.33, "rounds": 1},
     "laser0.6_f8": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 8},
     "laser0.6_f4": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 4},
-    "laser0.8": {"method": "laser", "target": 0.8, "whiten": True, "weighting": "fisher"},
 }
 
 
@@ -111,17 +107,11 @@ def _quanto(model, bits: int) -> None:
 
 def _one(job: dict, q) -> None:
     import torch
-
-    torch.set_num_threads(job["threads"])
-    os.environ["HF_TENSORCOMP_THREADS"] = str(job["threads"])
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from hf_tensorcomp import TensorCompressionConfig, assets
-    from hf_tensorcomp.eval import perplexity
 
-    path = assets.model_path(job["model"])
-    tok = AutoTokenizer.from_pretrained(path)
-    row = {"model": job["model"], "row": job["row"]}
+    path, tok, row = child_setup(job)
     t0 = time.perf_counter()
     if job["row"] in ("dense", "quanto_int8", "quanto_int4"):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -146,10 +136,7 @@ def _one(job: dict, q) -> None:
     stored, dense = _linear_bytes(model)
     row["linear_bytes"] = stored / dense
     row["model_bytes"] = _model_bytes(model, stored, dense)
-    for corpus in ("wikipedia", "owt"):
-        with torch.inference_mode(False), torch.no_grad():
-            row[f"ppl_{corpus}"] = perplexity(model, tok, assets.load_text(corpus, "eval"), context_length=512,
-                                              stride=512, max_tokens=job["eval_tokens"], progress=False)["ppl"]
+    row.update({f"ppl_{c}": v for c, v in ppl_both(model, tok, job["eval_tokens"]).items()})
     if job["row"] in job["speed_rows"]:
         with torch.inference_mode(False), torch.no_grad():
             row["tok_s"] = decode_tokens_per_s(model, tok)
@@ -166,27 +153,7 @@ def _one(job: dict, q) -> None:
 
 
 def run(cfg: dict) -> list[dict]:
-    path = RESULTS / f"{NAME}.json"
-    rows = json.loads(path.read_text()) if path.exists() else []
-    done = {(r["model"], r["row"]) for r in rows}
-    ctx = mp.get_context("spawn")
-    for label in cfg["rows"]:
-        for model in cfg["models"]:
-            if (model, label) in done:
-                continue
-            q = ctx.Queue()
-            p = ctx.Process(target=_one, args=({**cfg, "model": model, "row": label}, q))
-            p.start()
-            while p.is_alive() and q.empty():
-                time.sleep(1)
-            if q.empty():
-                print(f"{model} {label}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
-                continue
-            rows.append(q.get())
-            p.join()
-            print(json.dumps(rows[-1]), flush=True)
-            write_json(f"{NAME}.json", rows)
-    return rows
+    return run_rows(NAME, cfg["rows"], cfg["models"], cfg, _one)
 
 
 def report(rows: list[dict]) -> str:
@@ -215,54 +182,31 @@ def report(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        rs = [r for r in rows if r["model"] == model and "x_owt" in r]
+    def draw(ax, rs):
+        rs = [r for r in rs if "x_owt" in r]
         groups = {"quanto": [r for r in rs if r["row"].startswith("quanto")],
                   "round to nearest / GPTQ alone": [r for r in rs if r["row"] in ("rtn4", "gptq4")],
                   "qlr (quantized + correction)": [r for r in rs if r["row"].startswith(("qlr", "rtn4_r"))],
-                  "LASER (bf16 / quantized factors)": [r for r in rs if r["row"].startswith("laser")]}
+                  "LASER (quantized factors)": [r for r in rs if r["row"].startswith("laser")]}
         for label, g in groups.items():
             for corpus, marker in (("wikipedia", "o"), ("owt", "x")):
                 pts = sorted((r["linear_bytes"], r[f"x_{corpus}"]) for r in g)
                 if pts:
                     ax.plot(*zip(*pts), marker=marker, linestyle="-" if corpus == "wikipedia" else ":",
                             label=f"{label} ({'Wikipedia' if corpus == 'wikipedia' else 'OpenWebText'})")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_yscale("log")
-        ax.set_xlabel("decoder-linear bytes vs bf16")
-        ax.set_ylabel("perplexity vs dense")
-        ax.set_title(model)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+
+    ratio_plot(rows, path, draw)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe")
-    ap.add_argument("--report-only", action="store_true")
-    args = ap.parse_args()
-    cfg = load_recipe(args.recipe, DEFAULTS)
-    path = RESULTS / f"{NAME}.json"
-    rows = json.loads(path.read_text()) if args.report_only else run(cfg)
-    md = report(rows)
-    (RESULTS / f"{NAME}.md").write_text(
+def header(cfg: dict) -> str:
+    return (
         "# Quantized weights plus a calibrated low-rank correction, against weight quantization\n\n"
         "Every decoder linear; calibration: Wikipedia calib split (32 x 256 tokens); perplexity: "
         f"{cfg['eval_tokens']} tokens of the Wikipedia eval split and of OpenWebText's, 512-token windows. Groups of "
         f"{cfg['group_size']} with integer zero points (the bundled models are de-quantized GGUF 4-bit files with blocks "
         "of 32, which a 32-group float-minimum quantizer would reproduce for free). Written by benchmarks/quantized.py.\n\n"
-        + md)
-    plot(rows, RESULTS / f"{NAME}.png")
-    print(md)
+    )
 
 
 if __name__ == "__main__":
-    main()
+    bench_main(__doc__, NAME, DEFAULTS, run, report, plot, header)
