@@ -239,9 +239,11 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
 
 
 # ---------------------------------------------------------------------------------------- heal
-HEAL_DEFAULTS = {"steps": 100, "lr": 1e-4, "batch_size": 4, "train": "auto", "lm_weight": 0.0, "held_out": 0.125,
-                 "eval_every": 25, "seed": 0, "samples": 64, "length": 256, "gradient_checkpointing": False}
+HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-4, "batch_size": 4, "train": "auto",
+                 "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 64, "length": 256,
+                 "gradient_checkpointing": False}
 TRAIN = ("auto", "factors", "norms")
+MODES = ("e2e", "layerwise", "both")
 
 
 def validate_heal(value):
@@ -258,7 +260,10 @@ def validate_heal(value):
     if unknown:
         fail("heal", value, f"a dict with keys among {sorted(HEAL_DEFAULTS)} (unknown: {unknown})")
     o = {**HEAL_DEFAULTS, **value}
-    for key, lo in (("steps", 1), ("batch_size", 1), ("eval_every", 1), ("samples", 2), ("length", 2)):
+    if o["mode"] not in MODES:
+        fail("heal.mode", o["mode"], " | ".join(map(repr, MODES)) + " (end to end on the logits, layer by layer on "
+             "each decoder layer's output, or layer-wise then end to end)")
+    for key, lo in (("steps", 1), ("layer_steps", 1), ("batch_size", 1), ("eval_every", 1), ("samples", 2), ("length", 2)):
         if not is_int(o[key], lo):
             fail(f"heal.{key}", o[key], f"an int >= {lo}")
     if not is_int(o["seed"]):
@@ -315,6 +320,69 @@ def _source(model):
     return st.get("source") or getattr(model, "name_or_path", None) or None
 
 
+@torch.enable_grad()
+def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict, progress: bool) -> dict:
+    """Each decoder layer in turn trained so that its output matches the dense layer's: inputs are the
+    compressed model's own hidden states (propagated: each layer also corrects the error of the ones
+    before it), targets the dense model's outputs of the same layer on the dense stream. MSE, Adam at
+    ``lr``, ``layer_steps`` steps a layer over the calibration batches; the last batch is held out
+    (when there are several) and each layer keeps its best iterate by it, the start included."""
+    from .calibration import LayerwiseRunner
+    from .plan import find_decoder_layers
+
+    prefix, layers = find_decoder_layers(model)
+    dprefix, dense_layers = find_decoder_layers(dense)
+    comp = LayerwiseRunner(model, prefix, layers, ids, o["batch_size"])
+    ref = LayerwiseRunner(dense, dprefix, dense_layers, ids, o["batch_size"])
+    hc, hd = list(comp.hidden), list(ref.hidden)
+    held = [len(hc) - 1] if len(hc) > 1 else [0]
+    train = [i for i in range(len(hc)) if i not in held] or held
+    flags = {p: p.requires_grad for p in model.parameters()}
+    out = []
+    try:
+        for li in tqdm(range(len(layers)), desc="hf_tensorcomp: layer-wise healing", disable=not progress, unit="layer"):
+            layer = layers[li]
+            with torch.no_grad():
+                target = ref._forward(li, hd)
+            own = [p for p in layer.parameters() if id(p) in trainable_ids]
+            if own:
+                for p in model.parameters():
+                    p.requires_grad_(False)
+                for p in own:
+                    p.requires_grad_(True)
+
+                def loss_on(i):
+                    y = layer(hc[i], **comp.kwargs[i][li])
+                    return F.mse_loss(_first(y).float(), target[i].float())
+
+                def score():
+                    with torch.no_grad():
+                        return sum(float(loss_on(i)) for i in held) / len(held)
+
+                best_loss, best = score(), [p.detach().clone() for p in own]
+                first = best_loss
+                opt = torch.optim.Adam(own, lr=o["lr"])
+                for step in range(o["layer_steps"]):
+                    loss = loss_on(train[step % len(train)])
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    if (step + 1) % max(1, o["layer_steps"] // 4) == 0 or step + 1 == o["layer_steps"]:
+                        now = score()
+                        if now < best_loss:
+                            best_loss, best = now, [p.detach().clone() for p in own]
+                with torch.no_grad():
+                    for p, b in zip(own, best):
+                        p.copy_(b)
+                out.append({"layer": li, "mse_before": round(first, 8), "mse_after": round(best_loss, 8)})
+            hc = comp._forward(li, hc)
+            hd = target
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+    return {"layers": out}
+
+
 def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None, *, tokenizer=None,
          progress: bool = True, _config=None, **settings) -> dict:
     """Distil a compressed model toward the dense one, in place; returns what it did (also in
@@ -323,9 +391,11 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
     teacher: the dense model (or its path); None: the model the compressed one was made from (its
     recorded source, reloaded). calibration: as in `TensorCompressionConfig` (a bundled text name,
     texts, a Dataset, token ids); a held-out slice of its windows (``held_out``) is never trained on
-    and decides which iterate is kept. Other settings: `HEAL_DEFAULTS` (``steps``, ``lr``,
-    ``batch_size``, ``train``, ``lm_weight``, ``eval_every``, ``seed``, ``samples``, ``length``,
-    ``gradient_checkpointing``).
+    and decides which iterate is kept; if the held-out KL at the end is not below the start's, the
+    model is put back bit for bit. ``mode``: ``"e2e"`` (default: `distill` on the logits, ``steps``),
+    ``"layerwise"`` (`heal_layerwise`, ``layer_steps`` per layer) or ``"both"`` (layer-wise, then end to
+    end). Other settings: `HEAL_DEFAULTS` (``lr``, ``batch_size``, ``train``, ``lm_weight``,
+    ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``).
     """
     from .calibration.data import calibration_ids, validate_calibration
     from .pipeline import calibration_tokenizer
@@ -343,24 +413,38 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
         raise ValueError(f"heal: calibration gives {ids.shape[0]} windows; allowed: at least 2 (one is held out)")
     held, train_ids = ids[:n_held], ids[n_held:]
     dense = _teacher(model, teacher)
-    checkpointing = o["gradient_checkpointing"] and hasattr(model, "gradient_checkpointing_enable")
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-    try:
-        torch.manual_seed(o["seed"])
-        run = distill(model, dense, train_ids, params, o["steps"], lr=o["lr"], batch_size=o["batch_size"], seed=o["seed"],
-                      lm_weight=o["lm_weight"], held_out=held, eval_every=o["eval_every"], progress=progress,
-                      desc="hf_tensorcomp: healing")
-    finally:
+    start = [p.detach().clone() for p in params]
+    model.eval()
+    kl0, ppl0 = held_out_loss(model, dense, held, o["batch_size"])
+    report = {"mode": o["mode"], "steps": o["steps"], "train": o["train"], "params_trained": sum(p.numel() for p in params),
+              "lr": o["lr"], "tokens": 0}
+    torch.manual_seed(o["seed"])
+    if o["mode"] in ("layerwise", "both"):
+        report["layerwise"] = heal_layerwise(model, dense, train_ids, {id(p) for p in params}, o, progress)
+        report["tokens"] += len(report["layerwise"]["layers"]) * o["layer_steps"] * o["batch_size"] * int(ids.shape[1])
+    if o["mode"] in ("e2e", "both"):
+        checkpointing = o["gradient_checkpointing"] and hasattr(model, "gradient_checkpointing_enable")
         if checkpointing:
-            model.gradient_checkpointing_disable()
-    (_, kl0, ppl0), best = run["held_out"][0], next(s for s in run["held_out"] if s[0] == run["best_step"])
-    report = {"steps": o["steps"], "tokens": o["steps"] * o["batch_size"] * int(ids.shape[1]),
-              "train": o["train"], "params_trained": sum(p.numel() for p in params), "lr": o["lr"],
-              "loss_first": round(run["losses"][0], 6), "loss_last": round(run["losses"][-1], 6),
-              "held_out_kl_before": round(kl0, 6), "held_out_kl_after": round(best[1], 6),
-              "held_out_ppl_before": round(ppl0, 4), "held_out_ppl_after": round(best[2], 4),
-              "best_step": run["best_step"], "improved": run["best_step"] != 0, "seconds": round(time.perf_counter() - t0, 1)}
+            model.gradient_checkpointing_enable()
+        try:
+            run = distill(model, dense, train_ids, params, o["steps"], lr=o["lr"], batch_size=o["batch_size"],
+                          seed=o["seed"], lm_weight=o["lm_weight"], held_out=held, eval_every=o["eval_every"],
+                          progress=progress, desc="hf_tensorcomp: healing")
+        finally:
+            if checkpointing:
+                model.gradient_checkpointing_disable()
+        report.update(loss_first=round(run["losses"][0], 6), loss_last=round(run["losses"][-1], 6),
+                      best_step=run["best_step"])
+        report["tokens"] += o["steps"] * o["batch_size"] * int(ids.shape[1])
+    kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"])
+    report["improved"] = kl1 < kl0
+    if not report["improved"]:  # no harm: the model exactly as it came
+        with torch.no_grad():
+            for p, b in zip(params, start):
+                p.copy_(b)
+        kl1, ppl1 = kl0, ppl0
+    report.update(held_out_kl_before=round(kl0, 6), held_out_kl_after=round(kl1, 6), held_out_ppl_before=round(ppl0, 4),
+                  held_out_ppl_after=round(ppl1, 4), seconds=round(time.perf_counter() - t0, 1))
     if not report["improved"]:
         warnings.warn("hf_tensorcomp: healing did not lower the held-out loss; the model is left exactly as it was",
                       stacklevel=2)

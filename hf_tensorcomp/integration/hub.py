@@ -106,7 +106,9 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
                   f"- compression time: {st.get('compress_seconds')} s"]
         h = st.get("heal")
         if h:
-            lines.append(f"- healed: {h['steps']} distillation steps ({h['tokens']:,} tokens, training {h['train']}: "
+            how = {"e2e": f"{h['steps']} end-to-end distillation steps", "layerwise": "layer by layer",
+                   "both": f"layer by layer, then {h['steps']} end-to-end steps"}[h.get("mode", "e2e")]
+            lines.append(f"- healed: {how} ({h['tokens']:,} tokens, training {h['train']}: "
                          f"{h['params_trained']:,} parameters); held-out KL to the dense model {h['held_out_kl_before']} → "
                          f"{h['held_out_kl_after']}, held-out perplexity {h['held_out_ppl_before']} → {h['held_out_ppl_after']}"
                          + ("" if h["improved"] else " (no improvement: the model was left as compressed)"))
