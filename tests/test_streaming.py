@@ -88,17 +88,30 @@ def test_at_most_one_decoder_layer_is_ever_in_memory(sharded, tmp_path, monkeypa
     assert most and max(most) == 1
 
 
-@pytest.mark.parametrize("kw", [dict(method="laser", rank=4), dict(method="tensorllm", ratio=2.0)])
-def test_a_compressed_checkpoint_reloads_with_layers_offloaded_to_disk(tiny_dirs, tmp_path, ids, kw):
-    """Compressing while accelerate offloads is refused; reloading a compressed checkpoint with offload works
-    (float factors; quantized codes are buffers, which accelerate's disk offload does not bring back yet)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(progress=False, **kw))
+DISK_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
+            "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+
+
+def test_a_compressed_checkpoint_reloads_with_layers_offloaded_to_disk(tiny_dirs, tmp_path, ids):
+    """Compressing while accelerate offloads is refused; reloading a compressed checkpoint with offload works."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+        method="laser", rank=4, progress=False))
     model.save_pretrained(tmp_path / "c")
     with torch.no_grad():
         ref = model(ids).logits
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
-                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "c", device_map=device_map, offload_folder=tmp_path / "off")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "c", device_map=DISK_MAP, offload_folder=tmp_path / "off")
     assert again.hf_device_map["model.layers.2"] == "disk"
     with torch.no_grad():
         assert torch.equal(again(ids).logits, ref)
+
+
+@pytest.mark.parametrize("kw", [dict(method="tensorllm", ratio=2.0), dict(method="qlr", rank=4, group_size=16, calibration=CAL),
+                                dict(method="trawl", rank=4), dict(method="einsort", target=0.5),
+                                dict(method="laser", rank=4, factor_bits=4, group_size=16)])
+def test_offloading_shared_or_quantized_factors_is_refused(tiny_dirs, tmp_path, kw):
+    """Before, TensorLLM's shared factors offloaded to disk gave wrong logits silently (a container's tensors
+    are read by other modules, so accelerate's hooks never bring them back)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(progress=False, **kw))
+    model.save_pretrained(tmp_path / "c")
+    with pytest.raises(ValueError, match="offloads part of the model.*outputs would be wrong"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "c", device_map=DISK_MAP, offload_folder=tmp_path / "off")

@@ -30,12 +30,31 @@ Per full-attention layer (`EinSortLayer`), for keys and values alike::
   0.57 / 0.52 (its 12-bit indices leave little for the factors).
 - Each compressed segment is held packed, exactly as `EinSortTensor.to_dict` gives it: factor
   entries at the factor dtype (block-identity blocks left out), pivot indices, permutation indices
-  and sign bits bit-packed in uint8 tensors. `nbytes()` is the sum of those tensors plus the window
-  (and the ordinary layers' states), so it is what the cache holds. By default (``low_memory=True``)
-  nothing rebuilt is kept: every step rebuilds all segments (like `QuantizedLayer` dequantizes every
-  step), so the cache holds fewer bytes than `DynamicCache` at every length past the first segment;
-  ``low_memory=False`` keeps each rebuilt segment (``storage()["rebuilt"]``): faster, but then the
-  packed and the rebuilt states together outweigh the dense ones.
+  and sign bits bit-packed in uint8 tensors. All segments of a layer share one layout (the same
+  shape, ranks and gauge give the same tensor sizes), so a layer keeps them stacked, one tensor per
+  part of shape (batch, segments, 2 for keys/values, bytes or entries) (`packed`; `segments` gives
+  per-segment views). `nbytes()` is the sum of those tensors plus the window (and the ordinary
+  layers' states, and rebuilt segments where kept), so it is what the cache holds.
+- Memory against time, the choice made here. The `Cache` contract makes ``update`` return dense
+  keys and values for *every* cached token, and attention reads them all at each step, so each
+  decode step does O(length) work with any cache (DynamicCache copies its whole cache into a new
+  tensor every step; QuantizedCache dequantizes everything every step). A cache that holds fewer
+  bytes than DynamicCache cannot keep a dense copy of its old tokens, so it must decompress them at
+  every step too. What matters is how much that costs per step. The previous change kept every
+  rebuilt segment (attention then cost what DynamicCache costs, but packed + rebuilt bytes exceeded
+  the dense ones: 41,244 against 32,256 after 63 tokens of a 2-layer model). Rebuilding segment by
+  segment instead (one `EinSortTensor.from_dict` + contraction per segment, batch row, key/value and
+  layer) made the step cost grow with the number of segments in Python calls (over 10 s a token at
+  1,024 tokens of SmolLM2-135M on 2 cores). Computing attention on the factors directly is not
+  possible here: the reconstruction is sign ⊙ f⁻¹(unsort(U Vᵀ)) with a per-channel permutation and a
+  non-linear unmapping, and attention lives outside the cache. So the default (``low_memory=True``)
+  keeps nothing rebuilt and rebuilds *all* segments of a layer at once with a fixed number of
+  batched tensor operations (`rebuild_segments`: one batched contraction, one bit-unpacking of the
+  permutations, one scatter, one sign pass) — a constant number of kernel calls per layer and step
+  whatever the length, each streaming over the cache like DynamicCache's own copy and attention do.
+  ``low_memory=False`` still keeps each rebuilt segment (``storage()["rebuilt"]``) and rebuilds only
+  new ones (the same batched function): a little faster, but then the packed and the rebuilt states
+  together outweigh the dense ones.
 - Batch rows are compressed independently (one fit per row and segment), so beam reordering,
   `batch_repeat_interleave` and `batch_select_indices` are exact: they re-index the rows' lists.
   Padded positions are cached like any other (their attention mask still hides them).
@@ -47,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import math
+import string
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +80,7 @@ from transformers.cache_utils import (
 
 from ..validation import is_int
 from ..decompositions import einsort
-from ..decompositions.tensor_networks import BLOCK_IDENTITY_NETWORKS, GAUGES, NETWORKS
+from ..decompositions.tensor_networks import BLOCK_IDENTITY_NETWORKS, GAUGES, NETWORKS, equation, index_bits
 
 SORTS = ("shared", "full", None)
 SORT_SPANS = ("segment", "token", "channel")
@@ -218,14 +238,128 @@ def compress_segment(x: torch.Tensor, settings: EinSortCacheSettings) -> PackedS
 
 
 # --------------------------------------------------------------------------------------------
+# batched rebuild: N packed segments of one layout at once, a fixed number of tensor operations
+# --------------------------------------------------------------------------------------------
+
+PARTS = ("cores", "pivots", "perm", "signs")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What `EinSortTensor.from_dict` + ``reconstruct`` read from a segment's metadata (no tensors)."""
+
+    shape: tuple[int, ...]  # the fitted (sorted) view
+    network: str
+    cores: tuple  # per core: (core shape, stored entries, None or (rows, r, index bits, first bit))
+    fold_order: tuple[int, ...] | None
+    sort_axis: int | None
+    perm: tuple | None  # (perm shape, count, index bits)
+    nonnegative: bool
+    mapping: tuple[str, float]
+    equation: str  # the network's contraction with a leading batch index
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(key: tuple) -> _Layout:
+    meta = dict(key)
+    shapes = [tuple(c) for c in meta["core_shapes"]]
+    cores, bit = [], 0
+    for k, c in enumerate(shapes):
+        n = math.prod(c)
+        piv = None
+        if k in meta["pivot_cores"]:
+            rows, r = math.prod(c[:-1]), c[-1]
+            w = index_bits(rows)
+            n -= r * r
+            piv = (rows, r, w, bit)
+            bit += r * w
+        cores.append((c, n, piv))
+    perm = None
+    if meta["perm_shape"] is not None:
+        perm = (tuple(meta["perm_shape"]), math.prod(meta["perm_shape"]), index_bits(meta["shape"][meta["sort_axis"]]))
+    eq = equation(meta["network"], len(meta["fold_shape"]))
+    z = next(c for c in reversed(string.ascii_letters) if c not in eq)
+    ins, out = eq.split("->")
+    batched = ",".join(z + t for t in ins.split(",")) + "->" + z + out
+    return _Layout(shape=tuple(meta["shape"]), network=meta["network"], cores=tuple(cores),
+                   fold_order=None if meta["fold_order"] is None else tuple(meta["fold_order"]),
+                   sort_axis=meta["sort_axis"], perm=perm, nonnegative=meta["nonnegative"],
+                   mapping=(meta["mapping"][0], float(meta["mapping"][1])), equation=batched)
+
+
+def _meta_key(meta: dict) -> tuple:
+    return tuple(sorted((k, _frozen(v)) for k, v in meta.items()))
+
+
+def _frozen(v):
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """(N, bytes) uint8 -> (N, 8 * bytes) 0/1 uint8, big-endian within each byte (as `einsort.pack_bits`)."""
+    shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.uint8)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).reshape(packed.shape[0], -1)
+
+
+def _ints(bits: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """(N, >= count * width) bits -> (N, count) int64 (as `einsort.from_bits`, per row)."""
+    it = torch.int32 if width < 31 else torch.int64
+    b = bits[:, : count * width].reshape(bits.shape[0], count, width).to(it)
+    return (b << torch.arange(width - 1, -1, -1, device=bits.device, dtype=it)).sum(-1, dtype=torch.int64)
+
+
+def rebuild_segments(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> torch.Tensor:
+    """Reconstruct N packed segments sharing `meta` at once: ``tensors[part]`` is (N, length of that part).
+
+    Row i gives what ``PackedSegment({k: t[i]}, meta, ...).reconstruct(dtype)`` gives, shaped as the
+    fitted view, (N, *meta["shape"]); the work is a fixed number of batched tensor operations, however large N.
+    """
+    lay = _layout(_meta_key(meta))
+    flat = tensors["cores"].float()  # contracted in float32, as `TensorNetwork.contract`
+    n = flat.shape[0]
+    piv_bits = _bits(tensors["pivots"]) if "pivots" in tensors else None
+    cores, pos = [], 0
+    for shape, count, piv in lay.cores:
+        data = flat[:, pos: pos + count]
+        pos += count
+        if piv is None:
+            cores.append(data.reshape(n, *shape))
+            continue
+        rows, r, w, first = piv  # the block-identity core: rows `idx` are e_0 .. e_{r-1}, the others stored in order
+        idx = _ints(piv_bits[:, first: first + r * w], w, r)
+        keep = torch.ones(n, rows, dtype=torch.bool, device=flat.device).scatter_(1, idx, False)
+        full = flat.new_zeros(n, rows, r)
+        full[keep] = data.reshape(-1, r)
+        full.view(n, rows * r).scatter_(1, idx * r + torch.arange(r, device=flat.device), 1.0)
+        cores.append(full.reshape(n, *shape))
+    y = torch.bmm(*cores) if lay.network == "svd" else torch.einsum(lay.equation, *cores)
+    order = lay.fold_order or tuple(range(len(lay.shape)))
+    y = y.reshape(n, *[lay.shape[i] for i in order])
+    if lay.fold_order is not None:
+        y = y.permute(0, *[1 + order.index(i) for i in range(len(order))])
+    if lay.perm is not None:
+        pshape, count, w = lay.perm
+        perm = _ints(_bits(tensors["perm"]), w, count).reshape(n, *pshape)
+        y = torch.empty_like(y).scatter_(1 + lay.sort_axis, perm.expand(y.shape), y)
+    if lay.nonnegative:
+        y = einsort.unmap_values(y, *lay.mapping).reshape(n, -1)
+        neg = _bits(tensors["signs"])[:, : y.shape[1]].view(torch.bool)
+        y = torch.where(neg, -y, y)
+    return y.to(dtype).reshape(n, *lay.shape)
+
+
+# --------------------------------------------------------------------------------------------
 # the layer
 # --------------------------------------------------------------------------------------------
 
 class EinSortLayer(DynamicLayer):
     """A full-attention cache layer: compressed segments (per batch row) + a full-precision window.
 
-    ``keys`` / ``values`` hold the window, (batch, kv_heads, window, head_dim). ``segments[b]`` is
-    the list of ``(key_segment, value_segment)`` `PackedSegment` pairs of batch row b, oldest first.
+    ``keys`` / ``values`` hold the window, (batch, kv_heads, window, head_dim). ``packed[part]``
+    (part: cores, and as used pivots, perm, signs) holds every compressed segment of the layer,
+    (batch, segments, 2 — keys then values —, length of the part), oldest segment first; all share
+    the layout ``meta``. ``segments[b]`` gives batch row b's ``(key_segment, value_segment)``
+    `PackedSegment` pairs as views of it.
     """
 
     is_sliding = False
@@ -234,42 +368,82 @@ class EinSortLayer(DynamicLayer):
     def __init__(self, settings: EinSortCacheSettings | None = None, **kwargs):
         super().__init__()
         self.settings = settings or EinSortCacheSettings()
-        self.segments: list[list[tuple[PackedSegment, PackedSegment]]] = []
+        self.packed: dict[str, torch.Tensor] = {}
+        self.meta: dict | None = None
         self.cumulative_length = 0
-        self.rebuilt: tuple[torch.Tensor, torch.Tensor] | None = None  # segments rebuilt so far (unless low_memory)
+        self.rebuilt: tuple[torch.Tensor, torch.Tensor] | None = None  # segments rebuilt so far (low_memory=False)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         segment_rank((h, self.settings.segment, d), key_states.dtype, self.settings)  # a budget too small fails now
         super().lazy_initialization(key_states, value_states)
-        self.segments = [[] for _ in range(b)]
-        self.rebuilt = None
+        self.packed, self.meta, self.rebuilt = {}, None, None
 
     # -- reading ------------------------------------------------------------------------------
     @property
+    def n_segments(self) -> int:
+        return self.packed["cores"].shape[1] if self.packed else 0
+
+    @property
     def compressed_length(self) -> int:
-        return self.settings.segment * (len(self.segments[0]) if self.segments else 0)
+        return self.settings.segment * self.n_segments
+
+    @property
+    def segments(self) -> list[list[tuple[PackedSegment, PackedSegment]]]:
+        """Per batch row, its ``(key_segment, value_segment)`` pairs, oldest first (views of `packed`)."""
+        if not self.packed:
+            return [[] for _ in range(self.keys.shape[0])] if self.is_initialized and self.keys.ndim == 4 else []
+        b, n = self.packed["cores"].shape[:2]
+        h, seg = self.meta["shape"][0], self.settings.segment
+        shape = (h, seg, math.prod(self.meta["shape"]) // (h * seg))
+        return [[tuple(PackedSegment({k: t[i, j, s] for k, t in self.packed.items()}, self.meta, shape) for s in (0, 1))
+                 for j in range(n)] for i in range(b)]
+
+    def _rebuild(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segments ``start:`` of every row rebuilt: (batch, kv_heads, tokens, head_dim) keys and values."""
+        b, n = self.packed["cores"].shape[:2]
+        m, seg = n - start, self.settings.segment
+        flat = {k: t[:, start:].reshape(b * m * 2, -1) for k, t in self.packed.items()}
+        y = rebuild_segments(flat, self.meta, self.dtype).to(self.device)
+        y = y.reshape(b, m, 2, self.meta["shape"][0], seg, -1)  # (batch, segments, k/v, heads, tokens, head_dim)
+        h, d = y.shape[3], y.shape[5]
+        return (y[:, :, 0].transpose(1, 2).reshape(b, h, m * seg, d),
+                y[:, :, 1].transpose(1, 2).reshape(b, h, m * seg, d))
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed tokens as attention sees them: (batch, kv_heads, compressed_length, head_dim) each.
 
-        Each segment is rebuilt once and kept (`rebuilt`), unless ``low_memory``: then all are rebuilt every call.
+        All segments are rebuilt at once (`rebuild_segments`) at every call; with ``low_memory=False`` each is
+        rebuilt once and kept (`rebuilt`).
         """
-        done = 0 if self.rebuilt is None or self.settings.low_memory else self.rebuilt[0].shape[-2] // self.settings.segment
-        n = len(self.segments[0])
-        if done == n:
-            return self.rebuilt
-        rows_k, rows_v = [], []
-        for row in self.segments:
-            rows_k.append(torch.cat([k.reconstruct(self.dtype) for k, _ in row[done:]], dim=-2))
-            rows_v.append(torch.cat([v.reconstruct(self.dtype) for _, v in row[done:]], dim=-2))
-        new_k, new_v = torch.stack(rows_k).to(self.device), torch.stack(rows_v).to(self.device)
+        n = self.n_segments
         if self.settings.low_memory:
-            return new_k, new_v
-        if done:
-            new_k, new_v = torch.cat([self.rebuilt[0], new_k], dim=-2), torch.cat([self.rebuilt[1], new_v], dim=-2)
-        self.rebuilt = (new_k, new_v)
+            return self._rebuild(0)
+        done = 0 if self.rebuilt is None else self.rebuilt[0].shape[-2] // self.settings.segment
+        if done < n:
+            new_k, new_v = self._rebuild(done)
+            if done:
+                new_k, new_v = torch.cat([self.rebuilt[0], new_k], dim=-2), torch.cat([self.rebuilt[1], new_v], dim=-2)
+            self.rebuilt = (new_k, new_v)
         return self.rebuilt
+
+    def _append(self, window_k: torch.Tensor, window_v: torch.Tensor, n: int) -> None:
+        """Compress the first `n` whole segments of the window (every batch row) and stack them onto `packed`."""
+        seg = self.settings.segment
+        new = []  # [row][segment] -> (key PackedSegment, value PackedSegment)
+        for b in range(window_k.shape[0]):
+            new.append([(compress_segment(window_k[b, :, i * seg: (i + 1) * seg], self.settings),
+                         compress_segment(window_v[b, :, i * seg: (i + 1) * seg], self.settings)) for i in range(n)])
+        for row in new:
+            for pair in row:
+                for s in pair:
+                    if self.meta is None:
+                        self.meta = s.meta
+                    elif s.meta != self.meta:  # cannot happen: the layout follows from the shape and settings alone
+                        raise RuntimeError(f"EinSortLayer: a segment's layout {s.meta} differs from the layer's {self.meta}")
+        for k in new[0][0][0].tensors:
+            t = torch.stack([torch.stack([torch.stack([pair[0].tensors[k], pair[1].tensors[k]]) for pair in row]) for row in new])
+            self.packed[k] = torch.cat([self.packed[k], t], dim=1) if k in self.packed else t
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -285,12 +459,8 @@ class EinSortLayer(DynamicLayer):
         # then move whole segments out of the window (seen dense by this forward, reconstructed by later ones)
         seg, keep = self.settings.segment, self.settings.residual
         n = (window_k.shape[-2] - keep) // seg if window_k.shape[-2] >= keep + seg else 0
-        for i in range(n):
-            sl = slice(i * seg, (i + 1) * seg)
-            for b, row in enumerate(self.segments):
-                row.append((compress_segment(window_k[b, :, sl], self.settings),
-                            compress_segment(window_v[b, :, sl], self.settings)))
         if n:
+            self._append(window_k, window_v, n)
             window_k, window_v = window_k[:, :, n * seg:], window_v[:, :, n * seg:]
         self.keys, self.values = window_k.contiguous(), window_v.contiguous()
         return out_k, out_v
@@ -302,11 +472,8 @@ class EinSortLayer(DynamicLayer):
     def storage(self) -> dict[str, int]:
         """Bytes held: factors, pivots, perm, signs (packed), the full-precision window, the rebuilt segments."""
         parts = {"factors": 0, "pivots": 0, "perm": 0, "signs": 0}
-        for row in self.segments:
-            for pair in row:
-                for s in pair:
-                    for k, v in s.storage().items():
-                        parts[k] += v
+        for k, t in self.packed.items():
+            parts["factors" if k == "cores" else k] += t.numel() * t.element_size()
         parts["window"] = 0
         if self.is_initialized:
             parts["window"] = sum(t.numel() * t.element_size() for t in (self.keys, self.values))
@@ -325,7 +492,7 @@ class EinSortLayer(DynamicLayer):
 
     # -- batch manipulation (exact: rows are independent) -----------------------------------------
     def _select_rows(self, idx: list[int]) -> None:
-        self.segments = [list(self.segments[i]) for i in idx]
+        self.packed = {k: t[torch.as_tensor(idx, device=t.device)] for k, t in self.packed.items()}
         if self.rebuilt is not None:
             self.rebuilt = tuple(t[torch.as_tensor(idx, device=t.device)] for t in self.rebuilt)
 
@@ -339,14 +506,14 @@ class EinSortLayer(DynamicLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if not self.is_initialized:
             return
-        self._select_rows([i for i in range(len(self.segments)) for _ in range(repeats)])
+        self._select_rows([i for i in range(self.keys.shape[0]) for _ in range(repeats)])
         self.keys = self.keys.repeat_interleave(repeats, dim=0)
         self.values = self.values.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
-        idx = torch.arange(len(self.segments))[torch.as_tensor(indices).cpu()].reshape(-1).tolist()
+        idx = torch.arange(self.keys.shape[0])[torch.as_tensor(indices).cpu()].reshape(-1).tolist()
         self._select_rows(idx)
         self.keys = self.keys[indices, ...]
         self.values = self.values[indices, ...]
@@ -365,19 +532,19 @@ class EinSortLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.segments = []
+        self.packed, self.meta = {}, None
         self.cumulative_length = 0
         self.rebuilt = None
 
     def offload(self):
         super().offload()
-        self.segments = [[(k.to("cpu"), v.to("cpu")) for k, v in row] for row in self.segments]
+        self.packed = {k: t.to("cpu", non_blocking=True) for k, t in self.packed.items()}
         self.rebuilt = None if self.rebuilt is None else tuple(t.to("cpu", non_blocking=True) for t in self.rebuilt)
 
     def prefetch(self):
         super().prefetch()
         if self.is_initialized:
-            self.segments = [[(k.to(self.device), v.to(self.device)) for k, v in row] for row in self.segments]
+            self.packed = {k: t.to(self.device, non_blocking=True) for k, t in self.packed.items()}
             if self.rebuilt is not None:
                 self.rebuilt = tuple(t.to(self.device, non_blocking=True) for t in self.rebuilt)
 
@@ -496,4 +663,4 @@ class EinSortCache(Cache):
                 f"sort={s.sort!r}, layers={len(self.layers)}, einsort_layers={len(self.einsort_layers)})")
 
 
-__all__ = ["EinSortCache", "EinSortCacheSettings", "EinSortLayer", "PackedSegment", "compress_segment"]
+__all__ = ["EinSortCache", "EinSortCacheSettings", "EinSortLayer", "PackedSegment", "compress_segment", "rebuild_segments"]

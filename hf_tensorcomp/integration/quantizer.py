@@ -24,6 +24,7 @@ from ..methods import get_method
 register_quantization_config(QUANT_METHOD)(TensorCompressionConfig)
 
 _OFFLOAD = ("cpu", "disk", "meta")
+_BUFFERED = ("einsort",)  # layers whose forward reads integer buffers (permutations, pivots, signs)
 
 
 def _is_offloaded(device_map) -> bool:
@@ -39,6 +40,16 @@ class TensorCompQuantizer(HfQuantizer):
     requires_calibration = False
 
     def validate_environment(self, device_map=None, **kwargs):
+        if self.pre_quantized and _is_offloaded(device_map):
+            specs = self.quantization_config.compressed_modules.values()
+            kinds = sorted({sp.get("layer") for sp in specs if isinstance(sp, dict)
+                            and (sp.get("new") or sp.get("quant") or sp.get("layer") in _BUFFERED)})
+            if kinds:
+                raise ValueError(
+                    f"hf_tensorcomp: device_map offloads part of the model, and this checkpoint holds {kinds} layers "
+                    "(factors shared across modules, or codes and indices kept as buffers), which accelerate's offload "
+                    "hooks would not bring back before they are read: the outputs would be wrong. Allowed: a device "
+                    "map without offload (device_map=None, 'auto' that fits, or one kind of device)")
         if not self.pre_quantized and _is_offloaded(device_map):
             raise ValueError(
                 "hf_tensorcomp: device_map offloads part of the model to cpu/disk; compressing at load time with "
