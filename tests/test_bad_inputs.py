@@ -56,6 +56,11 @@ GUARDED = [
     ("state reduction with one calibration sample", "one line: how many samples it needs", "test_bad_inputs.py::test_state_reduction_one_sample"),
     ("CLI: malformed recipe, option as a list, missing recipe / model, --out a file", "one line each, exit 2, nothing written", "test_bad_inputs.py::test_cli_bad_invocations"),
     ("EinSortCache default", "holds fewer bytes than DynamicCache past the first segment", "test_einsort_cache.py::test_default_holds_fewer_bytes_than_dynamic_cache"),
+    # found since
+    ("reload with disk offload of shared factors, quantized codes or EinSort indices", "refused (TensorLLM gave wrong logits silently)", "test_streaming.py::test_offloading_shared_or_quantized_factors_is_refused"),
+    ("quantization and healing settings out of range", "the field named", "test_quantized.py::test_bad_quantization_settings_name_the_field"),
+    ("healing that does not help", "the model left bit-identical, with a warning", "test_heal.py::test_no_improvement_leaves_the_weights_bit_identical"),
+    ("streaming a config that needs the whole model", "refused up front, nothing written", "test_streaming.py::test_what_needs_the_whole_model_is_refused_up_front"),
 ]
 
 
