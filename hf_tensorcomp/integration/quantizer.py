@@ -24,7 +24,7 @@ from ..methods import get_method
 register_quantization_config(QUANT_METHOD)(TensorCompressionConfig)
 
 _OFFLOAD = ("cpu", "disk", "meta")
-_BUFFERED = ("einsort",)  # layers whose forward reads integer buffers (permutations, pivots, signs)
+_BUFFERED = ("einsort_linear",)  # layers whose forward reads integer buffers (permutations, pivots, signs)
 
 
 def _is_offloaded(device_map) -> bool:
