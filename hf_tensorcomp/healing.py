@@ -328,7 +328,7 @@ def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict,
     ``lr``, ``layer_steps`` steps a layer over the calibration batches; the last batch is held out
     (when there are several) and each layer keeps its best iterate by it, the start included."""
     from .calibration import LayerwiseRunner
-    from .plan import find_decoder_layers
+    from .layout import find_decoder_layers
 
     prefix, layers = find_decoder_layers(model)
     dprefix, dense_layers = find_decoder_layers(dense)
@@ -397,8 +397,7 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
     end). Other settings: `HEAL_DEFAULTS` (``lr``, ``batch_size``, ``train``, ``lm_weight``,
     ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``).
     """
-    from .calibration.data import calibration_ids, validate_calibration
-    from .pipeline import calibration_tokenizer
+    from .calibration.data import calibration_ids, calibration_tokenizer, validate_calibration
 
     o = validate_heal({**settings, **({"steps": steps} if steps is not None else {})})
     calibration = validate_calibration(calibration)

@@ -30,7 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import checks
-from .calibration.data import describe, is_token_ids
+from .calibration.data import calibration_tokenizer, describe
 from .config import TensorCompressionConfig
 from .layers import FactorizedModule
 from .methods import get_method
@@ -250,23 +250,6 @@ def _by_layer(kinds: dict[str, frozenset]) -> dict[int, dict[str, frozenset]]:
     for n, k in kinds.items():
         out.setdefault(_layer_of(n), {})[n] = k
     return out
-
-
-def calibration_tokenizer(model: nn.Module, calibration, tokenizer=None):
-    """The tokenizer for calibration texts: `tokenizer` (object or path), else the model's own folder's;
-    None for token ids."""
-    if tokenizer is not None and not isinstance(tokenizer, str):
-        return tokenizer
-    if is_token_ids(calibration):
-        return None
-    from transformers import AutoTokenizer
-
-    src = tokenizer or getattr(model, "name_or_path", None)
-    try:
-        return AutoTokenizer.from_pretrained(src)
-    except Exception as e:  # noqa: BLE001 - any failure means: tell the user how to pass one
-        raise ValueError(f"TensorCompressionConfig.calibration_tokenizer: no tokenizer could be loaded from {src!r} ({e}); "
-                         "allowed: a tokenizer object or path, or token ids as calibration") from None
 
 
 def allocate(config, work, methods, layer_list, runner, stream=None) -> dict[int, dict]:

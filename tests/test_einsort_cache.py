@@ -277,27 +277,51 @@ def test_bad_settings_name_the_field(llama, kwargs, field):
 
 
 # ------------------------------------------------------------------------------------------------
-# time: a segment is rebuilt once (unless low_memory); budgets checked at construction
+# time: all segments rebuilt by one batched call per layer and step (each once, unless low_memory);
+# budgets checked at construction
 # ------------------------------------------------------------------------------------------------
 
-def test_each_segment_rebuilt_once_unless_low_memory(llama, padded, monkeypatch):
-    from hf_tensorcomp.cache.einsort_cache import PackedSegment
+def _count_rebuilds(monkeypatch) -> list[int]:
+    """Patch the batched rebuild: the returned list gets the number of segments of each call."""
+    from hf_tensorcomp.cache import einsort_cache
 
     calls = []
-    real = PackedSegment.reconstruct
-    monkeypatch.setattr(PackedSegment, "reconstruct", lambda self, dtype=None: calls.append(id(self)) or real(self, dtype))
+    real = einsort_cache.rebuild_segments
+    monkeypatch.setattr(einsort_cache, "rebuild_segments",
+                        lambda tensors, meta, dtype: calls.append(tensors["cores"].shape[0]) or real(tensors, meta, dtype))
+    return calls
+
+
+def test_each_segment_rebuilt_once_unless_low_memory(llama, padded, monkeypatch):
+    calls = _count_rebuilds(monkeypatch)
     outs, counts = {}, {}
     for low in (False, True):
         calls.clear()
         cache = EinSortCache(llama.config, network="tt", rank=3, segment=4, residual=2, low_memory=low)
         outs[low] = llama.generate(**padded, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=0)
-        counts[low] = (len(calls), len(set(calls)))
+        held = sum(2 * len(row) for layer in cache.layers for row in layer.segments)  # key and value segments
+        counts[low] = (sum(calls), held)
         parts = cache.storage()
         assert parts["total"] == cache.nbytes() == nbytes_of(held_tensors(cache.layers))
         assert (parts["rebuilt"] > 0) is (not low)
     assert torch.equal(outs[False], outs[True])  # same tokens either way
-    assert counts[False][0] == counts[False][1]  # before: every step rebuilt every segment
-    assert counts[True][0] > 2 * counts[True][1]
+    assert 0 < counts[False][0] <= counts[False][1]  # kept: each segment rebuilt once at most
+    assert counts[True][0] > 2 * counts[True][1]  # low_memory: rebuilt at every step
+
+
+def test_one_batched_rebuild_per_layer_and_step(llama, monkeypatch):
+    """However many segments a layer holds, a decode step rebuilds them in one call per layer (not one per segment)."""
+    calls = _count_rebuilds(monkeypatch)
+    cache = EinSortCache(llama.config, network="tt", rank=3, segment=4, residual=2)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
+    with torch.no_grad():
+        out = llama(ids, past_key_values=cache, use_cache=True)
+        calls.clear()
+        llama(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    full = [i for i in cache.einsort_layers]
+    assert cache.layers[full[0]].n_segments >= 4
+    assert len(calls) == len(full)  # one call per full-attention layer
+    assert all(c == 2 * cache.layers[i].n_segments for c, i in zip(calls, full))  # keys and values of every segment
 
 
 def test_default_holds_fewer_bytes_than_dynamic_cache():

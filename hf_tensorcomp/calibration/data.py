@@ -112,3 +112,20 @@ def calibration_ids(value: Any, tokenizer, samples: int, length: int, seed: int)
     pick = torch.randperm(n_windows, generator=g)[:samples].sort().values.tolist()
     bos = bos_prefix(tokenizer, None)
     return torch.tensor([bos + ids[i * length:(i + 1) * length] for i in pick], dtype=torch.long)
+
+
+def calibration_tokenizer(model, calibration, tokenizer=None):
+    """The tokenizer for calibration texts: `tokenizer` (object or path), else the model's own folder's;
+    None for token ids."""
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    if is_token_ids(calibration):
+        return None
+    from transformers import AutoTokenizer
+
+    src = tokenizer or getattr(model, "name_or_path", None)
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # noqa: BLE001 - any failure means: tell the user how to pass one
+        raise ValueError(f"TensorCompressionConfig.calibration_tokenizer: no tokenizer could be loaded from {src!r} ({e}); "
+                         "allowed: a tokenizer object or path, or token ids as calibration") from None

@@ -124,12 +124,17 @@ def atomic_dir(target, overwrite: bool = True):
         raise
 
 
+def unmerged_lora_layers(model) -> list[str]:
+    """Names of the PEFT LoRA layers injected in `model` and not merged (a state dict no loader expects)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer) and not m.merged]
+
+
 def save_pretrained(self, save_directory, *args, **kwargs):
     """``save_pretrained`` written to a temporary sibling folder and swapped into place (see `atomic_dir`)."""
     save = type(self).save_pretrained
     if "peft" in sys.modules:  # an injected, unmerged adapter would be saved as base weights no loader expects
-        from .peft import unmerged_lora_layers
-
         layers = unmerged_lora_layers(self)
         if layers:
             raise ValueError(

@@ -81,13 +81,6 @@ CUSTOM_MODULES = {LowRankLinear: LoraLowRankLinear, QuantizedLowRankLinear: Lora
                   EinSortLinear: LoraFactored}
 
 
-def unmerged_lora_layers(model) -> list[str]:
-    """Names of the PEFT LoRA layers injected in `model` and not merged (a state dict no loader expects)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer) and not m.merged]
-
-
 def register(config: LoraConfig) -> LoraConfig:
     """Register hf_tensorcomp's factored layers on a `LoraConfig` (returns it)."""
     config._register_custom_module(CUSTOM_MODULES)
