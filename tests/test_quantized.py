@@ -9,7 +9,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from hf_tensorcomp import TensorCompressionConfig
-from hf_tensorcomp.decompositions.quantize import pack, quantize_gptq, quantize_rtn, stored_bytes, unpack
+from hf_tensorcomp.decompositions.quantize import (Int4Kernel, int4_kernel_available, pack, quantize_gptq, quantize_rtn,
+                                                  stored_bytes, unpack)
 from hf_tensorcomp.decompositions.svd import whitened_svd, whitening_factor
 from hf_tensorcomp.layers import QuantizedLowRankLinear
 from tiny import VOCAB
@@ -203,3 +204,62 @@ def test_qlr_exports_as_a_base_and_a_peft_adapter(tiny_dirs, tmp_path, ids):
     pair = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert torch.allclose(pair(ids).logits, m(ids).logits, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch's CPU int4 kernel for 4-bit factors (bfloat16 activations), and dtype casts
+# ------------------------------------------------------------------------------------------------
+
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="this PyTorch has no CPU int4 kernel")
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_f, in_f, group", [(48, 128, 32), (48, 576, 128), (64, 256, 64)])
+def test_int4_kernel_computes_the_dequantized_product(out_f, in_f, group):
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(out_f, in_f, generator=g), torch.randn(5, 3, in_f, generator=g)
+    q = quantize_rtn(w, 4, group)
+    kernel = Int4Kernel.build(q)
+    assert kernel is not None and kernel.padded % group == 0  # 576 = 4.5 groups of 128: the short group padded
+    ref = x.bfloat16().float() @ q.dequantize().T  # the same product in float32
+    y = kernel(x.bfloat16())
+    assert y.shape == (5, 3, out_f) and y.dtype == torch.bfloat16
+    assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()  # bfloat16 rounding of scales and output only
+    assert Int4Kernel.build(quantize_rtn(w, 8, group)) is None and Int4Kernel.build(quantize_rtn(w, 4, 48)) is None
+    assert Int4Kernel.build(quantize_rtn(w[:40], 4, group)) is None  # the kernel needs rows in multiples of 16
+
+
+@needs_kernel
+def test_bfloat16_model_runs_the_kernel_and_gradients_take_the_dequantized_path(tiny_dirs, tmp_path, ids):
+    m = _qlr(tiny_dirs, rank=4, group_size=32)
+    with torch.no_grad():
+        ref = m(ids).logits
+    m.save_pretrained(tmp_path)
+    b = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    layer = next(x for x in b.modules() if isinstance(x, QuantizedLowRankLinear))
+    with torch.no_grad():
+        y = b(ids).logits
+    assert layer.__dict__["_kernels"]["weight"][1] is not None  # the kernel ran
+    assert (y.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()  # the kernel has no backward: this goes through the de-quantized weight
+    w = layer.weight + layer.lora_B @ layer.lora_A
+    assert torch.allclose(x.grad.float(), w.sum(0).float(), rtol=0.02, atol=0.02)
+
+
+def test_casting_a_quantized_model_keeps_its_stored_scales(tiny_dirs, tmp_path, ids):
+    m = _qlr(tiny_dirs, rank=4, group_size=32)
+    layer = next(x for x in m.modules() if isinstance(x, QuantizedLowRankLinear))
+    scale = layer.weight_scale.clone()
+    m.to(torch.bfloat16)  # before: the float16 scales were rounded to bfloat16 and de-quantized to float32
+    assert layer.weight_scale.dtype == torch.float16 and torch.equal(layer.weight_scale, scale)
+    assert layer.weight.dtype == torch.bfloat16
+    m.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    twin = next(x for x in again.modules() if isinstance(x, QuantizedLowRankLinear))
+    assert torch.equal(twin.weight_scale, scale) and torch.equal(twin.weight, layer.weight)
+    with torch.no_grad():  # not bit-equal: a cast model also casts the rotary frequencies, a loaded one does not
+        ref = m(ids).logits.float()
+        assert (again(ids).logits.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    with torch.enable_grad():
+        m.to(torch.float32)(ids).logits.sum().backward()  # float32 again: de-quantized path, gradients flow

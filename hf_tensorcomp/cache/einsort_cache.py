@@ -295,17 +295,25 @@ def _frozen(v):
     return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
+_BIT_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(7, -1, -1)) & 1).to(torch.uint8)  # byte -> its 8 bits
+
+
 def _bits(packed: torch.Tensor) -> torch.Tensor:
     """(N, bytes) uint8 -> (N, 8 * bytes) 0/1 uint8, big-endian within each byte (as `einsort.pack_bits`)."""
-    shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.uint8)
-    return ((packed.unsqueeze(-1) >> shifts) & 1).reshape(packed.shape[0], -1)
+    table = _BIT_TABLE.to(packed.device)
+    return table.index_select(0, packed.reshape(-1).int()).reshape(packed.shape[0], -1)
 
 
 def _ints(bits: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """(N, >= count * width) bits -> (N, count) int64 (as `einsort.from_bits`, per row)."""
-    it = torch.int32 if width < 31 else torch.int64
-    b = bits[:, : count * width].reshape(bits.shape[0], count, width).to(it)
-    return (b << torch.arange(width - 1, -1, -1, device=bits.device, dtype=it)).sum(-1, dtype=torch.int64)
+    """(N, >= count * width) bits -> (N, count) int64 (as `einsort.from_bits`, per row).
+
+    The bits are weighted and summed by one float matrix product: exact while ``width`` <= 24."""
+    b = bits[:, : count * width].reshape(bits.shape[0], count, width)
+    if width > 24:
+        it = torch.int64
+        return (b.to(it) << torch.arange(width - 1, -1, -1, device=bits.device, dtype=it)).sum(-1)
+    weights = torch.exp2(torch.arange(width - 1, -1, -1, device=bits.device, dtype=torch.float32))
+    return (b.to(torch.float32) @ weights).to(torch.int64)
 
 
 def rebuild_segments(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> torch.Tensor:
@@ -343,8 +351,8 @@ def rebuild_segments(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.
         y = torch.empty_like(y).scatter_(1 + lay.sort_axis, perm.expand(y.shape), y)
     if lay.nonnegative:
         y = einsort.unmap_values(y, *lay.mapping).reshape(n, -1)
-        neg = _bits(tensors["signs"])[:, : y.shape[1]].view(torch.bool)
-        y = torch.where(neg, -y, y)
+        neg = _bits(tensors["signs"])[:, : y.shape[1]]
+        y = y.mul_(1.0 - 2.0 * neg.to(y.dtype))  # sign bit 1: negative
     return y.to(dtype).reshape(n, *lay.shape)
 
 

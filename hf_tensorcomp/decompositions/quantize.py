@@ -165,3 +165,63 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
     shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     return ((packed.to(torch.int32)[:, None] >> shifts) & (2**bits - 1)).reshape(-1).to(torch.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch's CPU int4 kernel (weight-only, bfloat16 activations)
+# --------------------------------------------------------------------------------------------
+
+KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def int4_kernel_available() -> bool:
+    """Whether this PyTorch has the CPU int4 weight-only matmul (private ops; the callers fall back to
+    de-quantizing when it is missing or refuses)."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+@dataclass
+class Int4Kernel:
+    """A 4-bit (out x in) `QTensor` in the layout of ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
+
+    That kernel computes ``x @ ((c - 8) * s + z)ᵀ`` per group; ours is ``(c - zero) * s``, so ``z = (8 - zero) * s``
+    (exact in float32; the kernel reads scales and offsets in bfloat16, like its activations). A short
+    last group is padded to a whole one with codes equal to its zero point (weight 0) and the input with
+    zeros, so the product is unchanged.
+    """
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor  # (groups per row, out, 2) bfloat16
+    in_features: int
+    padded: int
+    group_size: int
+
+    @classmethod
+    def build(cls, q: QTensor) -> "Int4Kernel | None":
+        if q.bits != 4 or q.group_size not in KERNEL_GROUPS or len(q.shape) != 2 or not int4_kernel_available():
+            return None
+        out_f, in_f = q.shape
+        if out_f % 16:  # the kernel's packing needs rows in multiples of 16
+            return None
+        g = q.group_size
+        per_row = -(-in_f // g)
+        zero = q.zero.view(out_f, per_row).to(torch.int32)
+        codes = q.codes[: out_f * in_f].view(out_f, in_f).to(torch.int32)
+        if in_f % g:
+            codes = torch.cat([codes, zero[:, -1:].expand(out_f, per_row * g - in_f)], 1)
+        scale = q.scale.view(out_f, per_row).float()
+        sz = torch.stack([scale, (8 - zero).float() * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        except RuntimeError:
+            return None
+        return cls(packed, sz, in_f, per_row * g, g)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ Wᵀ`` for bfloat16 ``x`` (..., in_features)."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.padded != self.in_features:
+            x2 = torch.nn.functional.pad(x2, (0, self.padded - self.in_features))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size, self.scales_zeros)
+        return y.reshape(*lead, -1)

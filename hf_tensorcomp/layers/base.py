@@ -17,9 +17,10 @@ Every factored module:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..decompositions.quantize import BITS, QTensor, code_bytes, n_groups, pack, quantize_rtn, unpack
+from ..decompositions.quantize import BITS, Int4Kernel, QTensor, code_bytes, n_groups, pack, quantize_rtn, unpack
 
 LAYER_TYPES: dict[str, type["FactorizedModule"]] = {}
 
@@ -119,6 +120,47 @@ class FactorizedModule(nn.Module):
             self.register_buffer(f"{n}_scale", scale.to(p.device))
             self.register_buffer(f"{n}_zero", zero.to(p.device))
             q[n] = (bits, group_size, tuple(p.shape), p.dtype)
+
+    def _apply(self, fn, recurse=True):
+        """`nn.Module._apply` (``.to``, ``.half``, ``.cuda`` ...) keeping quantized factors' float16 scales as
+        stored (a bfloat16 cast would round them) and de-quantizing to the module's new float dtype."""
+        q = self.__dict__.get("_qfactors")
+        if not q:
+            return super()._apply(fn, recurse)
+        scales = {n: self._buffers[f"{n}_scale"] for n in q}
+        out = super()._apply(fn, recurse)
+        for n, (bits, group, shape, dtype) in list(q.items()):
+            moved = self._buffers[f"{n}_scale"]
+            if moved.dtype != scales[n].dtype:
+                self._buffers[f"{n}_scale"] = scales[n].to(moved.device)
+            q[n] = (bits, group, shape, fn(torch.empty(0, dtype=dtype)).dtype)
+        return out
+
+    def factor_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, <factor name>, bias)``. A factor stored at 4 bits runs through PyTorch's CPU int4
+        kernel (`quantize.Int4Kernel`) when the activations are bfloat16 on CPU and no gradient flows to
+        them; otherwise (and where the kernel is missing or refuses the shape) on its de-quantized value."""
+        q = self.__dict__.get("_qfactors", {}).get(name)
+        if (q is not None and q[0] == 4 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and x.requires_grad)):
+            kernel = self._int4_kernel(name)
+            if kernel is not None:
+                y = kernel(x)
+                return y if bias is None else y + bias
+        return F.linear(x, getattr(self, name), bias)
+
+    def _int4_kernel(self, name: str) -> Int4Kernel | None:
+        """The kernel layout of a 4-bit factor, built on first use and rebuilt when its buffers change
+        (a load, a move); not part of the state dict."""
+        parts = [self._buffers[n] for n in (name, f"{name}_scale", f"{name}_zero")]
+        if any(t.device.type != "cpu" for t in parts):
+            return None
+        key = tuple((t.data_ptr(), t._version) for t in parts)
+        cache = self.__dict__.setdefault("_kernels", {})
+        if name not in cache or cache[name][0] != key:
+            bits, group, shape, _ = self.__dict__["_qfactors"][name]
+            cache[name] = (key, Int4Kernel.build(QTensor(unpack(parts[0], bits), parts[1], parts[2], bits, group, shape)))
+        return cache[name][1]
 
     def __getattr__(self, name: str):
         q = self.__dict__.get("_qfactors")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import FactorizedModule, register_layer
@@ -50,7 +49,7 @@ class LowRankLinear(FactorizedModule):
         return self.weight[:, self.in_features :].T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.v), self.u, self.bias)
+        return self.factor_linear(self.factor_linear(x, "v"), "u", self.bias)
 
     def dense_weight(self) -> torch.Tensor:
         return self.u @ self.v

@@ -4,7 +4,7 @@ The shape of a quantized base with a LoRA adapter (EoRA, QERA, LQ-LoRA, CALDERA)
 the integer codes of Q(W) (packed, with its per-group ``weight_scale`` / ``weight_zero``, see
 `FactorizedModule.quantize_factors`), ``lora_A`` (rank x in) and ``lora_B`` (out x rank) the
 correction, in the model's dtype or quantized too (``factor_bits``). The forward dequantizes Q(W)
-on the fly; the correction costs 2 r (in + out) flops per token.
+on the fly, or runs PyTorch's CPU int4 kernel at 4 bits with bfloat16 activations (`FactorizedModule.factor_linear`); the correction costs 2 r (in + out) flops per token.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class QuantizedLowRankLinear(FactorizedModule):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.factor_linear(x, "weight", self.bias)
         if self.rank:
             y = y + F.linear(F.linear(x, self.lora_A), self.lora_B)
         return y
