@@ -16,15 +16,18 @@ whose units span several layers (TRAWL's whole-model / segmented formulations).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import resource
 import shutil
+import threading
 import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from safetensors.torch import save_file
 
 from .config import TensorCompressionConfig
@@ -33,6 +36,88 @@ from .plan import find_decoder_layers, plan
 
 _COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
            "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+    head.pop("__metadata__", None)
+    return head, 8 + n
+
+
+class PeakRSS:
+    """Peak resident memory of this process above its value at the start, sampled every 2 ms from
+    ``/proc/self/statm`` (elsewhere: the process's lifetime maximum, an upper bound)."""
+
+    def __enter__(self) -> "PeakRSS":
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def above_start(self) -> int:
+        return self.peak - self.start
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+            _LIBC.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        except (OSError, AttributeError):
+            _LIBC = False
+    return _LIBC
+
+
+def _return_large_frees() -> None:
+    """Serve allocations of 1 MB and more by their own mappings, handed back to the system when freed (glibc
+    ``mallopt(M_MMAP_THRESHOLD)``, for the rest of the process). glibc's default raises that threshold with
+    every large free, after which freed layers and decomposition workspaces stay in its heap: the resident
+    memory of a streaming run then grows by tens of MB per layer although nothing is held."""
+    libc = _libc()
+    if libc:
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def _trim() -> None:
+    """Hand freed heap memory back to the system (glibc ``malloc_trim``)."""
+    libc = _libc()
+    if libc:
+        libc.malloc_trim(0)
+
+
+_LIBC = None
 
 
 class ShardReader:
@@ -48,10 +133,81 @@ class ShardReader:
         else:
             raise ValueError(f"compress_checkpoint: src: {folder} holds no safetensors checkpoint (model.safetensors or "
                              "model.safetensors.index.json); allowed: a folder written by save_pretrained")
+        self._headers: dict[Path, tuple[dict, int]] = {}
 
     def get(self, name: str) -> torch.Tensor:
         with safe_open(str(self.where[name]), "pt") as f:
             return f.get_tensor(name)
+
+    def info(self, name: str) -> tuple[torch.dtype, list[int], int, int]:
+        """(dtype, shape, first byte, end byte) of a stored tensor in its file."""
+        path = self.where[name]
+        if path not in self._headers:
+            self._headers[path] = _header(path)
+        head, start = self._headers[path]
+        t = head[name]
+        return _DTYPES[t["dtype"]], t["shape"], start + t["data_offsets"][0], start + t["data_offsets"][1]
+
+    def rows(self, name: str, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` of a stored 2-D tensor, read from its file one row at a time (an embedding's rows
+        the calibration text uses; nothing else of the tensor is read)."""
+        stored, shape, begin, _ = self.info(name)
+        width = shape[1] * stored.itemsize
+        out = torch.empty(len(index), shape[1], dtype=stored)
+        view = out.view(torch.uint8).numpy()
+        with open(self.where[name], "rb") as f:
+            for i, r in enumerate(index.tolist()):
+                f.seek(begin + r * width)
+                view[i] = memoryview(f.read(width))
+        return out.to(dtype)
+
+    def copy_to(self, names: list[str], path: Path, dtype: torch.dtype, chunk: int = 1 << 24) -> None:
+        """Write the stored tensors `names` (floating ones as `dtype`) into a new safetensors file at `path`,
+        a chunk at a time: never a whole tensor in memory (safetensors' writer takes whole tensors)."""
+        plan, offset = [], 0
+        for name in names:
+            src_dtype, shape, begin, end = self.info(name)
+            out_dtype = dtype if src_dtype.is_floating_point else src_dtype
+            size = (end - begin) // src_dtype.itemsize * out_dtype.itemsize
+            plan.append((name, src_dtype, out_dtype, shape, begin, end, offset))
+            offset += size
+        head = {"__metadata__": {"format": "pt"}}
+        head.update({n: {"dtype": _NAMES[o], "shape": shape, "data_offsets": [off, off + (e - b) // sd.itemsize * o.itemsize]}
+                     for n, sd, o, shape, b, e, off in plan})
+        text = json.dumps(head, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        step = chunk - chunk % 8
+        with open(path, "wb") as out:
+            out.write(len(text).to_bytes(8, "little") + text)
+            for name, sd, od, _, begin, end, _ in plan:
+                with open(self.where[name], "rb") as f:
+                    f.seek(begin)
+                    left = end - begin
+                    while left:
+                        data = f.read(min(step, left))
+                        left -= len(data)
+                        if sd != od:
+                            data = torch.frombuffer(bytearray(data), dtype=sd).to(od).view(torch.uint8).numpy().tobytes()
+                        out.write(data)
+
+
+class StreamedEmbedding(nn.Module):
+    """Stands in for the input embedding while a checkpoint streams: each call reads only the rows of the ids
+    it is given (`ShardReader.rows`) and runs the original module's own forward on them (Gemma's scaling
+    included). The original, on the meta device, stays the model's for saving."""
+
+    def __init__(self, original: nn.Module, reader: ShardReader, name: str, dtype: torch.dtype):
+        super().__init__()
+        self.__dict__["original"] = original  # not a submodule: nothing of it in this module's state
+        self.reader, self.name, self.dtype = reader, name, dtype
+        self.num_embeddings, self.embedding_dim = original.weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        used, local = torch.unique(ids, return_inverse=True)
+        small = copy.copy(self.original)
+        small._parameters = {**self.original._parameters,
+                             "weight": nn.Parameter(self.reader.rows(self.name, used, self.dtype), requires_grad=False)}
+        return small(local)
 
 
 class LayerStream:
@@ -64,6 +220,7 @@ class LayerStream:
         self.released = 0
         self.weight_map: dict[str, str] = {}
         self.seconds: list[float] = []
+        self.largest_written = 0  # bytes of the largest compressed layer held before writing
         self._t = time.perf_counter()
 
     def _load(self, li: int) -> None:
@@ -85,6 +242,7 @@ class LayerStream:
         if write:
             head = f"{self.prefix}.{li}."
             tensors = {head + k: v.detach().contiguous() for k, v in layer.state_dict().items()}
+            self.largest_written = max(self.largest_written, sum(t.numel() * t.element_size() for t in tensors.values()))
             shard = f"layer-{li:05d}.safetensors"
             save_file(tensors, str(self.out / shard), metadata={"format": "pt"})
             self.weight_map.update({k: shard for k in tensors})
@@ -92,6 +250,7 @@ class LayerStream:
             self._t = time.perf_counter()
         layer.to_empty(device="meta")
         self.loaded.discard(li)
+        _trim()
 
     def upto(self, li: int, release_last: bool = False) -> None:
         """Layer ``li`` loaded (and every earlier one written and released); with `release_last`, ``li`` too."""
@@ -168,51 +327,103 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"compress_checkpoint: out: {out} exists and is not empty; allowed: a new or empty folder, "
                          "or overwrite=True")
-    t0 = time.perf_counter()
-    config = AutoConfig.from_pretrained(src)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.name_or_path = str(src)
-    model.config._name_or_path = str(src)
-    prefix, layers = find_decoder_layers(model)
-    work = plan(model, cfg)
-    if any(len({int(n.split(".")[0]) for n in names}) > 1 for _, names in work):
-        raise ValueError("compress_checkpoint: a unit of this config spans several decoder layers (e.g. TRAWL "
-                         "formulation='whole_model' | 'segmented'); allowed: methods compressed layer by layer")
-    reader = ShardReader(src)
-    from accelerate.utils import set_module_tensor_to_device
+    _return_large_frees()
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        config = AutoConfig.from_pretrained(src)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.name_or_path = str(src)
+        model.config._name_or_path = str(src)
+        prefix, layers = find_decoder_layers(model)
+        work = plan(model, cfg)
+        if any(len({int(n.split(".")[0]) for n in names}) > 1 for _, names in work):
+            raise ValueError("compress_checkpoint: a unit of this config spans several decoder layers (e.g. TRAWL "
+                             "formulation='whole_model' | 'segmented'); allowed: methods compressed layer by layer")
+        reader = ShardReader(src)
+        from accelerate.utils import set_module_tensor_to_device
 
-    layer_keys = f"{prefix}."
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if name.startswith(layer_keys) or t.device.type != "meta":
-            continue
-        if name in reader.where:
-            value = reader.get(name)
-            set_module_tensor_to_device(model, name, "cpu", value=value.to(dtype) if value.is_floating_point() else value)
-    model.tie_weights()
-    missing = [n for n, t in model.named_parameters() if not n.startswith(layer_keys) and t.device.type == "meta"]
-    if missing:
-        raise ValueError(f"compress_checkpoint: {missing[0]} is missing from the source checkpoint")
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        stream = LayerStream(model, reader, tmp, dtype)
-        compress_model(model, cfg, work=work, stream=stream)
-        rest = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-                if not k.startswith(layer_keys) and v.device.type != "meta"}
-        if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
-            rest.pop("lm_head.weight", None)
-        save_file(rest, str(tmp / "model-rest.safetensors"), metadata={"format": "pt"})
-        weight_map = {**stream.weight_map, **{k: "model-rest.safetensors" for k in rest}}
-        total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-        model.config.quantization_config = cfg
-        model.config.dtype = dtype
-        model.config.save_pretrained(tmp)
-        for name in _COPIED:
-            if (src / name).exists():
-                shutil.copy2(src / name, tmp / name)
+        layer_keys = f"{prefix}."
+        emb = model.get_input_embeddings()
+        emb_name = next(n for n, p in model.named_parameters() if p is emb.weight)
+        head = model.get_output_embeddings()
+        lazy = {emb_name} | ({next(n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight)}
+                             if head is not None else set())  # read row by row / never read: stay on meta
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.startswith(layer_keys) or t.device.type != "meta" or name in lazy:
+                continue
+            if name in reader.where:
+                value = reader.get(name)
+                set_module_tensor_to_device(model, name, "cpu", value=value.to(dtype) if value.is_floating_point() else value)
+        tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+        missing = [n for n in sorted(lazy) if n not in reader.where and not (tied and n != emb_name)]
+        missing += [n for n, t in model.named_parameters() if not n.startswith(layer_keys) and n not in lazy
+                    and t.device.type == "meta"]
+        if missing:
+            raise ValueError(f"compress_checkpoint: {missing[0]} is missing from the source checkpoint")
+        parent, _, attr = next(n for n, m in model.named_modules() if m is emb).rpartition(".")
+        holder = model.get_submodule(parent) if parent else model
+        with atomic_dir(out, overwrite=overwrite) as tmp:
+            stream = LayerStream(model, reader, tmp, dtype)
+            setattr(holder, attr, StreamedEmbedding(emb, reader, emb_name, dtype))
+            try:
+                compress_model(model, cfg, work=work, stream=stream)
+            finally:
+                setattr(holder, attr, emb)
+            rest = [k for k in model.state_dict() if not k.startswith(layer_keys)]
+            if tied and "lm_head.weight" in rest:
+                rest.remove("lm_head.weight")
+            copied = [k for k in rest if k in reader.where]  # unchanged by compression: copied from the source a chunk at a time
+            reader.copy_to(copied, tmp / "model-rest.safetensors", dtype)
+            weight_map = {**stream.weight_map, **{k: "model-rest.safetensors" for k in copied}}
+            made = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+                    if k in rest and k not in reader.where and v.device.type != "meta"}
+            if made:  # persistent buffers the model builds itself
+                save_file(made, str(tmp / "model-built.safetensors"), metadata={"format": "pt"})
+                weight_map.update({k: "model-built.safetensors" for k in made})
+            total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+            model.config.quantization_config = cfg
+            model.config.dtype = dtype
+            model.config.save_pretrained(tmp)
+            for name in _COPIED:
+                if (src / name).exists():
+                    shutil.copy2(src / name, tmp / name)
+    bound = _memory_bound(reader, prefix, len(layers), model, cfg, stream.largest_written)
     report = {"src": str(src), "out": str(out), "layers": len(layers), "seconds": round(time.perf_counter() - t0, 1),
-              "seconds_per_layer": stream.seconds,
+              "seconds_per_layer": stream.seconds, "peak_above_start_mb": round(peak.above_start / 2**20, 1),
+              "bound_mb": {k: round(v / 2**20, 1) for k, v in bound.items()},
+              "within_bound": peak.above_start <= bound["bound"],
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
               "max_memory": max_memory, "stats": cfg.stats}
     return report
+
+
+def _memory_bound(reader: ShardReader, prefix: str, n_layers: int, model, cfg: TensorCompressionConfig,
+                  largest_written: int) -> dict[str, int]:
+    """The streaming run's memory bound, in bytes: 1.5 x (the largest decoder layer in float32 + the largest
+    compressed layer held before writing + the calibration hidden states + that layer's statistics).
+
+    The states are counted four times (the runner's layer-0 inputs, the current layer's inputs and
+    outputs, the dense stream that propagation pairs with them); the statistics as one float64 input
+    Gram per matrix (in x in, what whitening and GPTQ read) and three more of the largest (the working
+    copies of its decomposition)."""
+    layer_bytes = stats_bytes = 0
+    for li in range(n_layers):
+        head = f"{prefix}.{li}."
+        sizes = [reader.info(k) for k in reader.where if k.startswith(head)]
+        layer_bytes = max(layer_bytes, sum((e - b) // d.itemsize * 4 for d, _, b, e in sizes))
+    calibrated = cfg.calibration is not None
+    if calibrated:
+        grams = [shape[-1] ** 2 * 8 for name in reader.where if name.startswith(f"{prefix}.0.") and name.endswith(".weight")
+                 for _, shape, _, _ in [reader.info(name)] if len(shape) == 2]
+        stats_bytes = sum(grams) + 3 * max(grams, default=0)  # and the largest one's damped copy, Cholesky factor, inverse
+    cal = cfg.stats.get("calibration", {})
+    hidden = model.config.get_text_config().hidden_size
+    states = 4 * cal.get("tokens", 0) * hidden * 4 if calibrated else 0
+    parts = {"layer_fp32": layer_bytes, "compressed_layer": largest_written, "calibration_states": states,
+             "layer_statistics": stats_bytes}
+    parts["bound"] = int(1.5 * sum(parts.values()))
+    return parts
+

@@ -115,3 +115,47 @@ def test_offloading_shared_or_quantized_factors_is_refused(tiny_dirs, tmp_path, 
     model.save_pretrained(tmp_path / "c")
     with pytest.raises(ValueError, match="offloads part of the model.*outputs would be wrong"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "c", device_map=DISK_MAP, offload_folder=tmp_path / "off")
+
+
+_MEMORY_SCRIPT = r"""
+import json, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import hf_tensorcomp
+from hf_tensorcomp import TensorCompressionConfig
+
+src, warm, out = sys.argv[1:4]
+def make(path, layers, vocab, hidden, inter):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="50MB")
+make(src, 12, 64000, 768, 1536)
+make(warm, 2, 1000, 64, 128)
+ids = torch.randint(0, 1000, (8, 64), generator=torch.Generator().manual_seed(0))
+cfg = lambda: TensorCompressionConfig(method="laser", rank=64, whiten=True, calibration=ids, progress=False)
+hf_tensorcomp.compress_checkpoint(warm, out + "-warm", cfg())  # imports and first-call allocations out of the way
+report = hf_tensorcomp.compress_checkpoint(src, out, cfg())
+report.pop("stats")
+print(json.dumps(report))
+"""
+
+
+def test_streaming_peak_memory_stays_within_the_bound(tmp_path):
+    """Measured in a fresh process on a model with enlarged layers and a large untied vocabulary (12 layers of
+    24 MB and two 197 MB embedding matrices in float32, 676 MB in all): the peak resident memory above the
+    start stays within 1.5 x (one layer + its compressed form + the calibration states + its statistics),
+    itself well below the model. Holding every layer, or reading the embeddings whole, breaks it."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(tmp_path / "src"), str(tmp_path / "warm"),
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    model_mb = sum(f.stat().st_size for f in (tmp_path / "src").glob("*.safetensors")) / 2**20
+    assert model_mb > 600
+    assert report["within_bound"], {k: v for k, v in report.items() if k not in ("src", "out", "seconds_per_layer")}
+    assert report["peak_above_start_mb"] <= report["bound_mb"]["bound"] < model_mb / 2, report
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert again.lm_head.weight.shape == (64000, 768)

@@ -43,7 +43,7 @@ class LayerwiseRunner:
         #: {module name: the loss gradient of its weight} from `sensitivity.weight_gradients`, likewise
         self.weight_grad: dict[str, torch.Tensor] = {}
         base = model.get_submodule(prefix.rpartition(".")[0])  # the decoder stack: embeddings, layers, norm
-        device = next(model.parameters()).device
+        device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))  # streamed: some on meta
         self.hidden: list[torch.Tensor] = []
         self.kwargs: list[list[dict]] = []  # [batch][layer] -> kwargs of that layer's call
         for batch in ids.split(batch_size):

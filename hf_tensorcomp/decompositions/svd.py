@@ -44,10 +44,12 @@ def whitening_factor(gram: torch.Tensor, damping: float = 1e-4) -> torch.Tensor:
     """
     g = gram.detach().double()
     scale = g.diagonal().mean().clamp_min(1e-12)
-    eye = torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
     lam = damping
     for _ in range(6):
-        s, info = torch.linalg.cholesky_ex(g + lam * scale * eye)
+        damped = g.clone()  # G + λ·mean(diag G)·I without an identity matrix beside it (memory: two Grams, not four)
+        damped.diagonal().add_(lam * scale)
+        s, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) == 0:
             return s
         lam = max(lam * 10, 1e-6)
