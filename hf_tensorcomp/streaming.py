@@ -1,9 +1,10 @@
 """Streaming compression of a checkpoint larger than memory: one decoder layer at a time from its shards.
 
-`compress_checkpoint(src, out, cfg)` builds the model on the meta device (buffers real), reads the
-embeddings, final norm and head from the source safetensors, and runs the ordinary pipeline
+`compress_checkpoint(src, out, cfg)` builds the model on the meta device (buffers real), reads the final
+norm (and the input embedding's rows the calibration tokens use, `StreamedEmbedding`; the head is never
+read) from the source safetensors, and runs the ordinary pipeline
 (`hf_tensorcomp.pipeline.compress_model`) with a `LayerStream`: each decoder layer is read from the
-shards (memory-mapped ``safe_open``, never the whole state dict) just before the pipeline reaches it,
+shards (``safe_open``, tensor by tensor, never the whole state dict) just before the pipeline reaches it,
 and once the pipeline has passed it, it is written to its own output shard and put back on the meta
 device. Only the calibration hidden states span layers. The output is a sharded safetensors checkpoint
 with an index that ``from_pretrained`` reloads like any compressed one, written into a temporary
