@@ -157,16 +157,47 @@ def held_out_loss(student, teacher, ids: torch.Tensor, batch_size: int = 4) -> t
     return kl / n, math.exp(nll / (n - ids.shape[0]))
 
 
+class RelativeSteps:
+    """Train ``p = p₀ + δ ⊙ |p₀|`` through δ (from 0): Adam's steps then change each entry by a fraction of its own
+    size (multiplicative updates; an entry at exactly zero stays there).
+
+    Compressed layers need it. Their factors mix scales by orders of magnitude (whitened factors carry
+    S⁻¹, large where an input channel is quiet) and some input channels are massive: Adam moves every
+    entry by about the same step, so one step that suits most entries wrecks the rest (SmolLM2, LASER at
+    0.8: one sign step of 10⁻⁷ x each tensor's RMS raised the KL to the dense model from 0.43 to 2.95,
+    while a step of 10⁻³ of each entry's own size lowered it to 0.41; a floor of 10⁻³ x the RMS on the step
+    of the smallest entries was enough to wreck it again). With δ = 0, p is p₀ bit for bit.
+    """
+
+    def __init__(self, params: list):
+        self.params = params
+        self.base = [p.detach().clone() for p in params]
+        self.scale = [b.abs() for b in self.base]
+        self.delta = [torch.zeros_like(p, requires_grad=True) for p in params]
+
+    def grads(self) -> None:
+        """δ's gradient from p's (after the backward)."""
+        for p, s, d in zip(self.params, self.scale, self.delta):
+            d.grad = None if p.grad is None else p.grad * s
+            p.grad = None
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        for p, b, s, d in zip(self.params, self.base, self.scale, self.delta):
+            p.copy_(b + d * s)
+
+
 @torch.enable_grad()
 def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr: float = 1e-4, batch_size: int = 4,
             seed: int = 0, warmup: float = 0.1, schedule: bool = True, shuffle: bool = True, lm_weight: float = 0.0,
-            held_out: torch.Tensor | None = None, eval_every: int = 25, train_mode: bool = False,
+            held_out: torch.Tensor | None = None, eval_every: int = 25, train_mode: bool = False, relative: bool = False,
             progress: bool = True, desc: str = "hf_tensorcomp: distillation") -> dict:
     """Train `params` of `student` toward `teacher`'s next-token distributions on the windows of `ids`.
 
     teacher: a model, or a function ``batch -> log-probabilities`` (e.g. the student with its dense
     modules swapped back in). Loss: KL(teacher ‖ student) per token, plus ``lm_weight`` x the student's
-    language-model loss. Adam at ``lr`` (warm-up and cosine decay with ``schedule``, else constant);
+    language-model loss. Adam at ``lr`` (warm-up and cosine decay with ``schedule``, else constant; with
+    ``relative``, steps relative to each entry's size, `RelativeSteps`);
     windows in a seeded shuffle (``shuffle``) or in order, ``batch_size`` per step. Every other
     parameter keeps its ``requires_grad``. With `held_out` (windows never trained on): scored before,
     every ``eval_every`` steps and at the end, and the best iterate is what the student keeps (the
@@ -181,7 +212,8 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=lr)
+    steps_of = RelativeSteps(params) if relative else None
+    opt = torch.optim.Adam(steps_of.delta if relative else params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, (lambda s: lr_schedule(s, steps, warmup)) if schedule else (lambda s: 1.0))
     g = torch.Generator().manual_seed(seed)
     order: list[int] = []
@@ -221,7 +253,11 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
                 loss = loss + lm_weight * F.nll_loss(s[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if relative:
+                steps_of.grads()
             opt.step()
+            if relative:
+                steps_of.apply()
             sched.step()
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
@@ -239,9 +275,9 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
 
 
 # ---------------------------------------------------------------------------------------- heal
-HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-4, "batch_size": 4, "train": "auto",
-                 "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 64, "length": 256,
-                 "gradient_checkpointing": False}
+HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-3, "relative": True, "batch_size": 4,
+                 "train": "auto", "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 64,
+                 "length": 256, "gradient_checkpointing": False}
 TRAIN = ("auto", "factors", "norms")
 MODES = ("e2e", "layerwise", "both")
 
@@ -273,8 +309,9 @@ def validate_heal(value):
             fail(f"heal.{key}", o[key], f"a number in {'(' if key == 'held_out' else '['}{lo}, {hi}]")
     if o["train"] not in TRAIN:
         fail("heal.train", o["train"], " | ".join(map(repr, TRAIN)))
-    if not isinstance(o["gradient_checkpointing"], bool):
-        fail("heal.gradient_checkpointing", o["gradient_checkpointing"], "True | False")
+    for key in ("gradient_checkpointing", "relative"):
+        if not isinstance(o[key], bool):
+            fail(f"heal.{key}", o[key], "True | False")
     return o
 
 
@@ -361,12 +398,17 @@ def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict,
 
                 best_loss, best = score(), [p.detach().clone() for p in own]
                 first = best_loss
-                opt = torch.optim.Adam(own, lr=o["lr"])
+                rel = RelativeSteps(own) if o["relative"] else None
+                opt = torch.optim.Adam(rel.delta if rel else own, lr=o["lr"])
                 for step in range(o["layer_steps"]):
                     loss = loss_on(train[step % len(train)])
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
+                    if rel:
+                        rel.grads()
                     opt.step()
+                    if rel:
+                        rel.apply()
                     if (step + 1) % max(1, o["layer_steps"] // 4) == 0 or step + 1 == o["layer_steps"]:
                         now = score()
                         if now < best_loss:
@@ -394,7 +436,8 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
     and decides which iterate is kept; if the held-out KL at the end is not below the start's, the
     model is put back bit for bit. ``mode``: ``"e2e"`` (default: `distill` on the logits, ``steps``),
     ``"layerwise"`` (`heal_layerwise`, ``layer_steps`` per layer) or ``"both"`` (layer-wise, then end to
-    end). Other settings: `HEAL_DEFAULTS` (``lr``, ``batch_size``, ``train``, ``lm_weight``,
+    end). Other settings: `HEAL_DEFAULTS` (``lr``, ``relative`` — steps relative to each entry's size,
+    `RelativeSteps`, the default —, ``batch_size``, ``train``, ``lm_weight``,
     ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``).
     """
     from .calibration.data import calibration_ids, calibration_tokenizer, validate_calibration
@@ -416,7 +459,7 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
     model.eval()
     kl0, ppl0 = held_out_loss(model, dense, held, o["batch_size"])
     report = {"mode": o["mode"], "steps": o["steps"], "train": o["train"], "params_trained": sum(p.numel() for p in params),
-              "lr": o["lr"], "tokens": 0}
+              "lr": o["lr"], "relative": o["relative"], "tokens": 0}
     torch.manual_seed(o["seed"])
     if o["mode"] in ("layerwise", "both"):
         report["layerwise"] = heal_layerwise(model, dense, train_ids, {id(p) for p in params}, o, progress)
@@ -428,7 +471,7 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
         try:
             run = distill(model, dense, train_ids, params, o["steps"], lr=o["lr"], batch_size=o["batch_size"],
                           seed=o["seed"], lm_weight=o["lm_weight"], held_out=held, eval_every=o["eval_every"],
-                          progress=progress, desc="hf_tensorcomp: healing")
+                          relative=o["relative"], progress=progress, desc="hf_tensorcomp: healing")
         finally:
             if checkpointing:
                 model.gradient_checkpointing_disable()

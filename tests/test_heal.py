@@ -36,7 +36,7 @@ def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs):
 @pytest.mark.parametrize("mode", ["layerwise", "both"])
 def test_layerwise_healing_lowers_each_layers_error_and_the_held_out_loss(tiny_dirs, mode):
     model = compressed(tiny_dirs, rank=2)
-    report = hf_tensorcomp.heal(model, steps=20, lr=3e-3, mode=mode, layer_steps=20, **SETTINGS)
+    report = hf_tensorcomp.heal(model, steps=20, lr=0.1, mode=mode, layer_steps=20, **SETTINGS)
     layers = report["layerwise"]["layers"]
     assert len(layers) == 3 and all(r["mse_after"] <= r["mse_before"] for r in layers)
     assert any(r["mse_after"] < 0.9 * r["mse_before"] for r in layers)
@@ -84,7 +84,7 @@ def test_quantized_codes_stay_and_norms_train(tiny_dirs):
     model = compressed(tiny_dirs, method="qlr", rank=2, bits=2, group_size=16, calibration=calib())
     codes = model.model.layers[0].mlp.up_proj.weight.clone()  # the dequantized weight: fixed
     norm = model.model.layers[0].input_layernorm.weight.clone()
-    assert hf_tensorcomp.heal(model, steps=20, lr=3e-4, **SETTINGS)["improved"]
+    assert hf_tensorcomp.heal(model, steps=20, lr=0.1, **SETTINGS)["improved"]
     assert torch.equal(model.model.layers[0].mlp.up_proj.weight, codes)
     assert not torch.equal(model.model.layers[0].input_layernorm.weight, norm)
 
@@ -99,3 +99,21 @@ def test_bad_heal_settings_name_the_field(heal, field):
 def test_heal_needs_calibration_text():
     with pytest.raises(ValueError, match=r"calibration: got None.*heal"):
         TensorCompressionConfig(method="laser", rank=4, heal=True)
+
+
+def test_relative_steps_scale_each_entry_by_its_own_size():
+    from hf_tensorcomp.healing import RelativeSteps
+
+    p = torch.nn.Parameter(torch.tensor([1e-6, -2.0, 0.0, 300.0]))
+    start = p.detach().clone()
+    rel = RelativeSteps([p])
+    rel.apply()
+    assert torch.equal(p, start)  # δ = 0: the start bit for bit
+    (p * torch.tensor([1.0, 1.0, 1.0, -1.0])).sum().backward()
+    rel.grads()
+    assert p.grad is None and torch.equal(rel.delta[0].grad, torch.tensor([1e-6, 2.0, 0.0, -300.0]))
+    torch.optim.Adam(rel.delta, lr=1e-2).step()
+    rel.apply()
+    change = (p.detach() - start) / start
+    assert p[2] == 0  # an entry at zero stays there
+    assert torch.allclose(change[[0, 1, 3]].abs(), torch.full((3,), 1e-2), rtol=2e-2)  # each by 1 % of itself
