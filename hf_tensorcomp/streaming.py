@@ -4,9 +4,9 @@
 norm (and the input embedding's rows the calibration tokens use, `StreamedEmbedding`; the head is never
 read) from the source safetensors, and runs the ordinary pipeline
 (`hf_tensorcomp.pipeline.compress_model`) with a `LayerStream`: each decoder layer is read from the
-shards (``safe_open``, tensor by tensor, never the whole state dict) just before the pipeline reaches it,
-and once the pipeline has passed it, it is written to its own output shard and put back on the meta
-device. Only the calibration hidden states span layers. The output is a sharded safetensors checkpoint
+shards (plain file reads at the header's offsets, tensor by tensor, never the whole state dict) just
+before the pipeline reaches it, and once the pipeline has passed it, it is written to its own output
+shard and put back on the meta device. Only the calibration hidden states span layers. The output is a sharded safetensors checkpoint
 with an index that ``from_pretrained`` reloads like any compressed one, written into a temporary
 sibling folder and moved into place at the end (a killed run leaves no readable output).
 
@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from safetensors.torch import save_file
 
@@ -129,16 +128,24 @@ class ShardReader:
         if index.exists():
             self.where = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
         elif (folder / "model.safetensors").exists():
-            with safe_open(str(folder / "model.safetensors"), "pt") as f:
-                self.where = {k: folder / "model.safetensors" for k in f.keys()}
+            self.where = {k: folder / "model.safetensors" for k in _header(folder / "model.safetensors")[0]}
         else:
             raise ValueError(f"compress_checkpoint: src: {folder} holds no safetensors checkpoint (model.safetensors or "
                              "model.safetensors.index.json); allowed: a folder written by save_pretrained")
         self._headers: dict[Path, tuple[dict, int]] = {}
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.where[name]), "pt") as f:
-            return f.get_tensor(name)
+        """One stored tensor, read from its file into a new tensor. Plain reads, not safetensors' ``safe_open``:
+        that maps the whole shard, so a process under an address-space limit smaller than a shard could not
+        open it (and the mapping's pages count as resident while they are touched)."""
+        dtype, shape, begin, end = self.info(name)
+        out = torch.empty(shape, dtype=dtype)
+        with open(self.where[name], "rb") as f:
+            f.seek(begin)
+            if f.readinto(out.reshape(-1).view(torch.uint8).numpy()) != end - begin:
+                raise ValueError(f"compress_checkpoint: {self.where[name]} ends inside tensor {name!r}; the shard is "
+                                 "truncated")
+        return out
 
     def info(self, name: str) -> tuple[torch.dtype, list[int], int, int]:
         """(dtype, shape, first byte, end byte) of a stored tensor in its file."""
