@@ -28,7 +28,7 @@ DEFAULTS = {
     "eval_tokens": 8192,
     "calibration_samples": 32,
     "calibration_length": 256,
-    "heal": {"steps": 100, "lr": 1e-4, "samples": 64, "length": 256, "batch_size": 4, "eval_every": 25},
+    "heal": {"steps": 100, "samples": 64, "length": 256, "batch_size": 4, "eval_every": 25},  # lr: the library default
     "threads": 2,
 }
 ROWS = {
