@@ -351,3 +351,16 @@ def test_budget_too_small_fails_at_construction(llama):
     with pytest.raises(ValueError, match=r"EinSortCache\.rank: got 0\.01"):
         llama(torch.tensor([[1, 2]]), past_key_values=cache)
     EinSortCache(llama.config, rank=0.5, segment=4, residual=0)
+
+
+@pytest.mark.parametrize("width", range(0, 21))
+def test_packed_indices_read_back_exactly(width):
+    from hf_tensorcomp.cache.einsort_cache import _unpack
+    from hf_tensorcomp.decompositions.einsort import from_bits, pack_bits, to_bits, unpack_bits
+
+    g = torch.Generator().manual_seed(width)
+    for count in (1, 3, 64, 333):
+        x = torch.randint(0, 1 << width, (4, count), generator=g)
+        packed = torch.stack([pack_bits(to_bits(row, width)) for row in x])
+        assert torch.equal(_unpack(packed, width, count), x)
+        assert torch.equal(x[1], from_bits(unpack_bits(packed[1], count * width), width, count))
