@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, load_recipe, markdown_table, write_json  # noqa: E402
+from common import RESULTS, load_recipe, markdown_table, per_model, write_json  # noqa: E402
 
 DEFAULTS = {
     "models": ["smollm2", "gemma3"],
@@ -191,9 +191,7 @@ def run(cfg: dict) -> list[dict]:
 
 def report(rows: list[dict]) -> str:
     out = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        rs = [r for r in rows if r["model"] == model]
-        dense = next(r for r in rs if r["variant"] == "dense")
+    for model, rs, dense in per_model(rows, "variant"):
         for r in rs:
             r["bytes_ratio"] = r["bytes"] / dense["bytes"]
             r["ppl_ratio"] = r["ppl"] / dense["ppl"]

@@ -229,6 +229,15 @@ def ppl_both(model, tok, max_tokens: int) -> dict:
     return out
 
 
+def per_model(rows: list[dict], key: str = "row"):
+    """``(model, its rows, its dense row)`` for each model (in order) whose rows include a dense one."""
+    for model in dict.fromkeys(r["model"] for r in rows):
+        rs = [r for r in rows if r["model"] == model]
+        dense = next((r for r in rs if r.get(key) == "dense"), None)
+        if dense is not None:
+            yield model, rs, dense
+
+
 def ratio_plot(rows: list[dict], path: Path, draw) -> None:
     """One panel per model of perplexity-vs-dense against decoder-linear bytes: ``draw(ax, model_rows)``
     draws the lines; the axes, the dense line and the file are done here."""

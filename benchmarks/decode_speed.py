@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import _without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, run_rows  # noqa: E402
+from common import _without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model, run_rows  # noqa: E402
 
 NAME = "decode_speed"
 DEFAULTS = {
@@ -66,11 +66,7 @@ def run(cfg: dict) -> list[dict]:
 
 def report(rows: list[dict]) -> str:
     out = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        rs = [r for r in rows if r["model"] == model]
-        dense = next((r for r in rs if r["row"] == "dense"), None)
-        if dense is None:
-            continue
+    for model, rs, dense in per_model(rows):
         for r in rs:
             for k in ("fp32", "bf16"):
                 r[f"x_{k}"] = r[f"tok_s_{k}"] / dense[f"tok_s_{k}"]

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table,  # noqa: E402
+from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model,  # noqa: E402
                     ppl_both, ratio_plot, run_rows)
 
 NAME = "quantized"
@@ -158,11 +158,7 @@ def run(cfg: dict) -> list[dict]:
 
 def report(rows: list[dict]) -> str:
     out = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        rs = [r for r in rows if r["model"] == model]
-        dense = next((r for r in rs if r["row"] == "dense"), None)
-        if dense is None:
-            continue
+    for model, rs, dense in per_model(rows):
         for r in rs:
             r["model_ratio"] = r["model_bytes"] / dense["model_bytes"]
             for c in ("wikipedia", "owt"):

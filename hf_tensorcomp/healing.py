@@ -187,6 +187,17 @@ class RelativeSteps:
             p.copy_(b + d * s)
 
 
+def adam_step(opt: torch.optim.Optimizer, loss: torch.Tensor, relative: RelativeSteps | None = None) -> None:
+    """One optimizer step on `loss` (through `relative`'s δ when given)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if relative is not None:
+        relative.grads()
+    opt.step()
+    if relative is not None:
+        relative.apply()
+
+
 @torch.enable_grad()
 def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr: float = 1e-4, batch_size: int = 4,
             seed: int = 0, warmup: float = 0.1, schedule: bool = True, shuffle: bool = True, lm_weight: float = 0.0,
@@ -251,13 +262,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
             loss = kl_to_teacher(s, t)
             if lm_weight:
                 loss = loss + lm_weight * F.nll_loss(s[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if relative:
-                steps_of.grads()
-            opt.step()
-            if relative:
-                steps_of.apply()
+            adam_step(opt, loss, steps_of)
             sched.step()
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
@@ -402,13 +407,7 @@ def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict,
                 opt = torch.optim.Adam(rel.delta if rel else own, lr=o["lr"])
                 for step in range(o["layer_steps"]):
                     loss = loss_on(train[step % len(train)])
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if rel:
-                        rel.grads()
-                    opt.step()
-                    if rel:
-                        rel.apply()
+                    adam_step(opt, loss, rel)
                     if (step + 1) % max(1, o["layer_steps"] // 4) == 0 or step + 1 == o["layer_steps"]:
                         now = score()
                         if now < best_loss:
