@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_main, child_setup, markdown_table, ppl_both, ratio_plot, run_rows  # noqa: E402
+from common import bench_main, child_setup, markdown_table, per_model, ppl_both, ratio_plot, run_rows  # noqa: E402
 from quantized import _linear_bytes  # noqa: E402
 
 NAME = "heal"
@@ -73,11 +73,7 @@ def run(cfg: dict) -> list[dict]:
 
 def report(rows: list[dict]) -> str:
     out = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        rs = [r for r in rows if r["model"] == model]
-        dense = next((r for r in rs if r["row"] == "dense"), None)
-        if dense is None:
-            continue
+    for model, rs, dense in per_model(rows):
         table = []
         for r in rs:
             if r["row"] == "dense":
@@ -114,10 +110,16 @@ def plot(rows: list[dict], path: Path) -> None:
     ratio_plot(rows, path, draw)
 
 
+def _settings(heal: dict) -> dict:
+    from hf_tensorcomp.healing import HEAL_DEFAULTS
+
+    return {**HEAL_DEFAULTS, **heal}
+
+
 def header(cfg: dict) -> str:
     return (
         "# Healing: end-to-end distillation toward the dense model\n\n"
-        f"Calibration and healing text: Wikipedia calib split; healing {cfg['heal']}; perplexity: {cfg['eval_tokens']} "
+        f"Calibration and healing text: Wikipedia calib split; healing {_settings(cfg['heal'])}; perplexity: {cfg['eval_tokens']} "
         "tokens of each eval split, 512-token windows; ratios to the dense model. Written by benchmarks/heal.py.\n\n"
     )
 
