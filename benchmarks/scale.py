@@ -5,7 +5,8 @@ quantization_config=cfg)``) and another streams it (``hf_tensorcomp.compress_che
 layer in memory at a time); both with the same calibrated config (whitened LASER at 80 % of the decoder
 linears' parameters, relative allocation: streaming refuses Fisher weighting, which needs a backward
 pass of the whole model). Peak resident memory is the child's max RSS above its own after-import
-baseline; the two outputs are compared tensor by tensor.
+baseline; the two outputs are compared tensor by tensor. Then both again in a memory cgroup limited to 60 %
+of the float32 model (where the machine lets a process make one; root, cgroup v1 or v2).
 
     python benchmarks/scale.py
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -29,9 +29,22 @@ CFG = {"method": "laser", "target": 0.8, "whiten": True, "allocation": "relative
        "calibration": "wikipedia", "calibration_samples": 32, "calibration_length": 256}
 
 
-def _vm_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+CGROUP = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller (v2: memory.max under /sys/fs/cgroup)
+
+
+def _limit_memory(limit_mb: int) -> str | None:
+    """Put this process in a new memory cgroup whose limit is `limit_mb` (what it allocates from now on is
+    charged there; the kernel kills it past the limit). None where no writable memory cgroup exists."""
+    for root, limit_file in ((CGROUP, "memory.limit_in_bytes"), (Path("/sys/fs/cgroup"), "memory.max")):
+        group = root / f"hf_tensorcomp_scale_{os.getpid()}"
+        try:
+            group.mkdir()
+            (group / limit_file).write_text(str(limit_mb * 2**20))
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+            return str(group)
+        except OSError:
+            continue
+    return None
 
 
 def _one(model: str, how: str, out: str, limit_mb: int | None, q) -> None:
@@ -46,8 +59,11 @@ def _one(model: str, how: str, out: str, limit_mb: int | None, q) -> None:
     src = assets.model_path(model)
     cfg = TensorCompressionConfig(progress=False, **CFG)
     row = {"model": model, "how": how, "limit_mb": limit_mb}
-    if limit_mb is not None:  # address space: what is mapped now plus the limit (enforced by the kernel)
-        resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + limit_mb * 2**20, resource.RLIM_INFINITY))
+    if limit_mb is not None:
+        row["cgroup"] = _limit_memory(limit_mb)
+        if row["cgroup"] is None:
+            q.put({**row, "ok": False, "error": "no writable memory cgroup on this machine: the limit was not applied"})
+            return
     t0 = time.perf_counter()
     try:
         with PeakRSS() as peak:
@@ -75,7 +91,7 @@ def main() -> None:
     for model in ("smollm2", "gemma3"):
         src = Path(assets.model_path(model))
         fp32_mb = sum(t.numel() * 4 for f in src.glob("*.safetensors") for t in load_file(str(f)).values()) / 2**20
-        limit = int(fp32_mb * 0.6)  # an address-space limit below the float32 model
+        limit = int(fp32_mb * 0.6)  # a memory limit below the float32 model
         outs = {}
         for how, lim in (("memory", None), ("stream", None), ("memory", limit), ("stream", limit)):
             out = tempfile.mkdtemp() + "/out"
@@ -84,7 +100,11 @@ def main() -> None:
             p.start()
             p.join()
             row = q.get() if not q.empty() else {"model": model, "how": how, "limit_mb": lim, "ok": False,
-                                                    "error": f"exit code {p.exitcode}"}
+                                                    "error": f"exit code {p.exitcode}" + (
+                                                        " (killed at the memory limit)" if p.exitcode == -9 else "")}
+            for root in (CGROUP, CGROUP.parent):
+                for group in root.glob(f"hf_tensorcomp_scale_{p.pid}"):
+                    group.rmdir()
             row.update(fp32_mb=round(fp32_mb))
             if row.get("peak_mb") is not None:
                 row["peak_vs_fp32"] = row["peak_mb"] / fp32_mb
@@ -100,14 +120,15 @@ def main() -> None:
             r["bound"] = r.get("bound_mb", {}).get("bound")
     write_json(f"{NAME}.json", rows)
     md = markdown_table(rows, [("model", "model", "{}"), ("how", "path", "{}"), ("fp32_mb", "float32 model MB", "{:,}"),
-                               ("limit_mb", "address-space limit MB", "{}"), ("ok", "finished", "{}"),
+                               ("limit_mb", "memory limit MB", "{}"), ("ok", "finished", "{}"),
                                ("peak_mb", "peak RSS above start MB", "{}"), ("peak_vs_fp32", "peak / float32 model", "{:.2f}"),
                                ("bound", "bound MB", "{}"), ("seconds", "seconds", "{:.0f}"),
                                ("identical", "outputs identical (memory vs stream)", "{}")])
     (RESULTS / f"{NAME}.md").write_text(
         "# Streaming vs in-memory compression\n\n" + json.dumps(CFG) + "\n\nPeak: resident memory above the "
-        "child's value at the start, sampled every 2 ms. The limited rows run under an address-space limit (RLIMIT_AS) "
-        "of 60 % of the float32 model above what the child had mapped after its imports. Bound: the streaming "
+        "child's value at the start, sampled every 2 ms. The limited rows run in a memory cgroup whose limit is 60 % "
+        "of the float32 model, joined after the child's imports (what it allocates from then on, page cache included, "
+        "is charged; the kernel kills it past the limit). Bound: the streaming "
         "report's (1.5 x (layer + compressed layer + calibration states + statistics)). Written by benchmarks/scale.py.\n\n"
         + md + "\n")
     print(md)

@@ -18,6 +18,7 @@ whose units span several layers (TRAWL's whole-model / segmented formulations).
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import resource
@@ -234,6 +235,9 @@ class LayerStream:
     def _load(self, li: int) -> None:
         from accelerate.utils import set_module_tensor_to_device
 
+        if not self.loaded:  # hand back what the steps before left freed (the calibration tokenizer: 300 MB for Gemma-3's)
+            gc.collect()
+            _trim()
         head = f"{self.prefix}.{li}."
         for name, t in [*self.layers[li].named_parameters(), *self.layers[li].named_buffers()]:
             if t.device.type != "meta":
