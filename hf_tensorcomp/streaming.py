@@ -59,6 +59,7 @@ class PeakRSS:
 
     def __enter__(self) -> "PeakRSS":
         self.start = self.peak = _rss()
+        self.before_mark = None  # the peak up to `mark`, once marked
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -73,8 +74,13 @@ class PeakRSS:
         self._thread.join()
         self.peak = max(self.peak, _rss())
 
+    def mark(self) -> None:
+        """Track the peak from here on separately: the peak so far is kept in ``before_mark``."""
+        self.before_mark, self.peak = self.peak, _rss()
+
     @property
     def above_start(self) -> int:
+        """The peak since the start (or since `mark`, when marked) above the start."""
         return self.peak - self.start
 
 
@@ -222,8 +228,8 @@ class StreamedEmbedding(nn.Module):
 class LayerStream:
     """Loads decoder layer ``li`` when the pipeline reaches it; writes out and releases the layers before it."""
 
-    def __init__(self, model, reader: ShardReader, out: Path | None, dtype: torch.dtype):
-        self.model, self.shards, self.out, self.dtype = model, reader, out, dtype
+    def __init__(self, model, reader: ShardReader, out: Path | None, dtype: torch.dtype, peak: PeakRSS | None = None):
+        self.model, self.shards, self.out, self.dtype, self.peak = model, reader, out, dtype, peak
         self.prefix, self.layers = find_decoder_layers(model)
         self.loaded: set[int] = set()
         self.released = 0
@@ -238,6 +244,8 @@ class LayerStream:
         if not self.loaded:  # hand back what the steps before left freed (the calibration tokenizer: 300 MB for Gemma-3's)
             gc.collect()
             _trim()
+        if self.peak is not None and self.peak.before_mark is None:  # the layers' phase begins
+            self.peak.mark()
         head = f"{self.prefix}.{li}."
         for name, t in [*self.layers[li].named_parameters(), *self.layers[li].named_buffers()]:
             if t.device.type != "meta":
@@ -284,7 +292,7 @@ class LayerStream:
 
 class _ReadOnly(LayerStream):
     def __init__(self, parent: LayerStream):
-        super().__init__(parent.model, parent.shards, None, parent.dtype)
+        super().__init__(parent.model, parent.shards, None, parent.dtype, parent.peak)
 
     def upto(self, li: int, release_last: bool = False) -> None:
         for j in sorted(self.loaded):
@@ -376,7 +384,7 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
         parent, _, attr = next(n for n, m in model.named_modules() if m is emb).rpartition(".")
         holder = model.get_submodule(parent) if parent else model
         with atomic_dir(out, overwrite=overwrite) as tmp:
-            stream = LayerStream(model, reader, tmp, dtype)
+            stream = LayerStream(model, reader, tmp, dtype, peak)
             setattr(holder, attr, StreamedEmbedding(emb, reader, emb_name, dtype))
             try:
                 compress_model(model, cfg, work=work, stream=stream)
@@ -405,6 +413,8 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     bound = _memory_bound(reader, prefix, len(layers), model, cfg, stream.largest_written)
     report = {"src": str(src), "out": str(out), "layers": len(layers), "seconds": round(time.perf_counter() - t0, 1),
               "seconds_per_layer": stream.seconds, "peak_above_start_mb": round(peak.above_start / 2**20, 1),
+              "setup_peak_above_start_mb": round(((peak.peak if peak.before_mark is None else peak.before_mark)
+                                                  - peak.start) / 2**20, 1),
               "bound_mb": {k: round(v / 2**20, 1) for k, v in bound.items()},
               "within_bound": peak.above_start <= bound["bound"],
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
