@@ -36,6 +36,8 @@ ROWS = {
     "laser0.6": {"method": "laser", "target": 0.6, "whiten": True, "weighting": "fisher", "targets": ["*_proj"]},
     "qlr_bytes_0.27": {"method": "qlr", "target_bytes": 0.27, "group_size": 128},
 }
+ROWS["laser0.8_256w"] = ROWS["laser0.8"]
+HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}}  # row -> healing settings over the grid's
 
 
 def _one(job: dict, q) -> None:
@@ -59,7 +61,8 @@ def _one(job: dict, q) -> None:
         row["ppl_before"] = ppl_both(model, tok, job["eval_tokens"])
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
-        row["heal"] = hf_tensorcomp.heal(model, calibration="wikipedia", progress=False, **job["heal"])
+        row["heal"] = hf_tensorcomp.heal(model, calibration="wikipedia", progress=False,
+                                         **{**job["heal"], **HEAL_OVERRIDES.get(job["row"], {})})
         row["heal_s"] = round(time.perf_counter() - t0, 1)
         row["heal_peak_rss_mb"] = round(max(rss0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
         row["ppl"] = ppl_both(model, tok, job["eval_tokens"])
@@ -119,7 +122,7 @@ def _settings(heal: dict) -> dict:
 def header(cfg: dict) -> str:
     return (
         "# Healing: end-to-end distillation toward the dense model\n\n"
-        f"Calibration and healing text: Wikipedia calib split; healing {_settings(cfg['heal'])}; perplexity: {cfg['eval_tokens']} "
+        f"Calibration and healing text: Wikipedia calib split; healing {_settings(cfg['heal'])} (rows' own: {HEAL_OVERRIDES}); perplexity: {cfg['eval_tokens']} "
         "tokens of each eval split, 512-token windows; ratios to the dense model. Written by benchmarks/heal.py.\n\n"
     )
 
