@@ -281,7 +281,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
 
 # ---------------------------------------------------------------------------------------- heal
 HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-3, "relative": True, "batch_size": 4,
-                 "train": "auto", "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 64,
+                 "train": "auto", "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 256,
                  "length": 256, "gradient_checkpointing": False}
 TRAIN = ("auto", "factors", "norms")
 MODES = ("e2e", "layerwise", "both")
