@@ -36,8 +36,8 @@ ROWS = {
     "laser0.6": {"method": "laser", "target": 0.6, "whiten": True, "weighting": "fisher", "targets": ["*_proj"]},
     "qlr_bytes_0.27": {"method": "qlr", "target_bytes": 0.27, "group_size": 128},
 }
-ROWS["laser0.8_256w"] = ROWS["laser0.8"]
-HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}}  # row -> healing settings over the grid's
+ROWS["laser0.8_256w"], ROWS["laser0.6_256w"] = ROWS["laser0.8"], ROWS["laser0.6"]
+HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples": 256}}  # row -> its own healing settings
 
 
 def _one(job: dict, q) -> None:
