@@ -172,19 +172,18 @@ class RelativeSteps:
     def __init__(self, params: list):
         self.params = params
         self.base = [p.detach().clone() for p in params]
-        self.scale = [b.abs() for b in self.base]
         self.delta = [torch.zeros_like(p, requires_grad=True) for p in params]
 
     def grads(self) -> None:
         """δ's gradient from p's (after the backward)."""
-        for p, s, d in zip(self.params, self.scale, self.delta):
-            d.grad = None if p.grad is None else p.grad * s
+        for p, b, d in zip(self.params, self.base, self.delta):
+            d.grad = None if p.grad is None else p.grad * b.abs()
             p.grad = None
 
     @torch.no_grad()
     def apply(self) -> None:
-        for p, b, s, d in zip(self.params, self.base, self.scale, self.delta):
-            p.copy_(b + d * s)
+        for p, b, d in zip(self.params, self.base, self.delta):
+            p.copy_(b + d * b.abs())
 
 
 def adam_step(opt: torch.optim.Optimizer, loss: torch.Tensor, relative: RelativeSteps | None = None) -> None:

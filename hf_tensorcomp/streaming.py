@@ -132,14 +132,16 @@ class ShardReader:
 
     def __init__(self, folder: Path):
         index = folder / "model.safetensors.index.json"
+        self._headers: dict[Path, tuple[dict, int]] = {}
         if index.exists():
             self.where = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
         elif (folder / "model.safetensors").exists():
-            self.where = {k: folder / "model.safetensors" for k in _header(folder / "model.safetensors")[0]}
+            path = folder / "model.safetensors"
+            self._headers[path] = _header(path)
+            self.where = {k: path for k in self._headers[path][0]}
         else:
             raise ValueError(f"compress_checkpoint: src: {folder} holds no safetensors checkpoint (model.safetensors or "
                              "model.safetensors.index.json); allowed: a folder written by save_pretrained")
-        self._headers: dict[Path, tuple[dict, int]] = {}
 
     def get(self, name: str) -> torch.Tensor:
         """One stored tensor, read from its file into a new tensor. Plain reads, not safetensors' ``safe_open``:
@@ -241,10 +243,9 @@ class LayerStream:
     def _load(self, li: int) -> None:
         from accelerate.utils import set_module_tensor_to_device
 
-        if not self.loaded:  # hand back what the steps before left freed (the calibration tokenizer: 300 MB for Gemma-3's)
-            gc.collect()
+        if self.peak is not None and self.peak.before_mark is None:  # the layers' phase begins: first hand back
+            gc.collect()  # what the steps before left freed (the calibration tokenizer: ~300 MB for Gemma-3's)
             _trim()
-        if self.peak is not None and self.peak.before_mark is None:  # the layers' phase begins
             self.peak.mark()
         head = f"{self.prefix}.{li}."
         for name, t in [*self.layers[li].named_parameters(), *self.layers[li].named_buffers()]:

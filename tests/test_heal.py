@@ -90,7 +90,8 @@ def test_quantized_codes_stay_and_norms_train(tiny_dirs):
 
 
 @pytest.mark.parametrize("heal, field", [({"stepz": 3}, "heal"), ({"steps": 0}, "heal.steps"), ("yes", "heal"),
-                                         ({"train": "everything"}, "heal.train"), ({"held_out": 0}, "heal.held_out")])
+                                         ({"train": "everything"}, "heal.train"), ({"held_out": 0}, "heal.held_out"),
+                                         ({"relative": 1}, "heal.relative")])
 def test_bad_heal_settings_name_the_field(heal, field):
     with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: got"):
         TensorCompressionConfig(method="laser", rank=4, calibration="wikipedia", heal=heal)

@@ -97,7 +97,7 @@ def unmap_values(y: torch.Tensor, name: str, p: float) -> torch.Tensor:
     if name == "linear":
         return y.clamp_min(0)
     if name == "pow":
-        return y.clamp_min(0).square_() if p == 0.5 else y.clamp_min(0).pow_(1.0 / p)
+        return y.clamp_min(0).pow_(1.0 / p)
     if name == "exp":
         return y.clamp(1.0, math.exp(10)).log().div(p)
     if name == "add_log":
