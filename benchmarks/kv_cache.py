@@ -224,15 +224,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-SCALING_LENGTHS = (128, 256, 512, 1024)
+SCALING_LENGTHS = (128, 256, 512, 1024, 2048)
 
 
 @torch.inference_mode()
-def scaling(lengths=SCALING_LENGTHS, steps: int = 16, rank: float = 0.25, threads: int = 2) -> list[dict]:
+def scaling(lengths=SCALING_LENGTHS, steps: int = 16, rank: float = 0.25, threads: int = 2, stem: str = "kv_cache_scaling") -> list[dict]:
     """Bytes held and decode time per token against the context length, batch 1: DynamicCache, the
     EinSortCache default (packed segments only, rebuilt every step), EinSortCache keeping the rebuilt
-    segments, and QuantizedCache (quanto, 4 and 2 bits, groups of 64). Each cache is filled by one
-    prefill of `length` tokens of Wikipedia text, then timed over `steps` single-token steps."""
+    segments, and QuantizedCache (quanto, 4 and 2 bits, groups of 64). At each length every cache is
+    filled by one prefill of `length` tokens of Wikipedia text, then all take `steps` single-token steps
+    in turn (round robin, so a slow spell of the machine falls on all of them); the median step is
+    reported, and each cache's slope (least squares of ms/token on the length) in ms per 1,000 tokens."""
     torch.set_num_threads(threads)
     path = model_path("smollm2")
     tok = AutoTokenizer.from_pretrained(path)
@@ -248,30 +250,64 @@ def scaling(lengths=SCALING_LENGTHS, steps: int = 16, rank: float = 0.25, thread
     rows = []
     for length in lengths:
         dense = dense_bytes(model, 1, length + steps)
-        for name, make in makers.items():
-            cache = make()
+        caches = {name: make() for name, make in makers.items()}
+        for cache in caches.values():
             model(ids[:, :length], past_key_values=cache, use_cache=True)
-            t0 = time.perf_counter()
-            for t in range(length, length + steps):
+        times = {name: [] for name in caches}
+        for t in range(length, length + steps):
+            for name, cache in caches.items():
+                t0 = time.perf_counter()
                 model(ids[:, t: t + 1], past_key_values=cache, use_cache=True)
-            ms = (time.perf_counter() - t0) / steps * 1e3
-            rows.append({"cache": name, "length": length, "ms_per_token": ms, "bytes": cache_bytes(cache),
-                         "bytes_vs_dynamic": cache_bytes(cache) / dense})
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        for name, cache in caches.items():
+            rows.append({"cache": name, "length": length, "ms_per_token": statistics.median(times[name]),
+                         "bytes": cache_bytes(cache), "bytes_vs_dynamic": cache_bytes(cache) / dense})
             print(rows[-1], flush=True)
     base = {r["length"]: r["ms_per_token"] for r in rows if r["cache"] == "dynamic"}
     for r in rows:
         r["time_vs_dynamic"] = r["ms_per_token"] / base[r["length"]]
-    write_json("kv_cache_scaling.json", rows)
-    (RESULTS / "kv_cache_scaling.md").write_text(
+    slopes = {}
+    for name in makers:
+        pts = [(r["length"], r["ms_per_token"]) for r in rows if r["cache"] == name]
+        mx, my = statistics.fmean(p[0] for p in pts), statistics.fmean(p[1] for p in pts)
+        slopes[name] = 1e3 * sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    write_json(f"{stem}.json", {"rows": rows, "ms_per_1000_tokens": slopes})
+    (RESULTS / f"{stem}.md").write_text(
         "# KV cache: bytes held and decode time per token against the context length\n\n"
-        f"SmolLM2-135M (float32), batch 1, {threads} threads; one prefill of the length, then {steps} single-token steps "
-        f"timed. EinSortCache at rank {rank} (byte fraction per segment), segment 64, residual 64. "
-        "Written by `benchmarks/kv_cache.py --scaling`.\n\n"
+        f"SmolLM2-135M (float32), batch 1, {threads} threads; at each length one prefill, then {steps} single-token "
+        f"steps per cache, taken in turn; median ms. EinSortCache at rank {rank} (byte fraction per segment), segment 64, "
+        "residual 64. Written by `benchmarks/kv_cache.py --scaling`.\n\n"
         + markdown_table(rows, [("cache", "cache", "{}"), ("length", "length", "{}"), ("bytes", "bytes held", "{:,}"),
                                 ("bytes_vs_dynamic", "bytes vs DynamicCache", "{:.3f}"),
                                 ("ms_per_token", "ms / token", "{:.1f}"), ("time_vs_dynamic", "time vs DynamicCache", "{:.2f}x")])
+        + "\n\nGrowth of the per-token time with the length (least squares over the lengths above):\n\n"
+        + markdown_table([{"cache": k, "slope": v, "vs": v / slopes["dynamic"]} for k, v in slopes.items()],
+                         [("cache", "cache", "{}"), ("slope", "ms / token per 1,000 tokens of context", "{:.2f}"),
+                          ("vs", "vs DynamicCache", "{:.1f}x")])
         + "\n")
+    plot_scaling(rows, RESULTS / f"{stem}.png")
     return rows
+
+
+def plot_scaling(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8))
+    for name in dict.fromkeys(r["cache"] for r in rows):
+        pts = [r for r in rows if r["cache"] == name]
+        axes[0].plot([r["length"] for r in pts], [r["ms_per_token"] for r in pts], "o-", label=name)
+        axes[1].plot([r["length"] for r in pts], [r["bytes_vs_dynamic"] for r in pts], "o-", label=name)
+    for ax, label in zip(axes, ("ms per decoded token", "bytes held vs DynamicCache")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M KV cache, batch 1, CPU", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None):
@@ -283,7 +319,7 @@ def main(argv=None):
     ap.add_argument("--report-only", action="store_true", help="rewrite the .md/.png (and summary) from the .json")
     args = ap.parse_args(argv)
     if args.scaling:
-        return scaling()
+        return scaling(stem=args.out if args.out != "kv_cache" else "kv_cache_scaling")
     if args.report_only:
         return report(args.out)
     recipe = dict(DEFAULT_RECIPE)

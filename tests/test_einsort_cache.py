@@ -288,7 +288,7 @@ def _count_rebuilds(monkeypatch) -> list[int]:
     calls = []
     real = einsort_cache.rebuild_segments
     monkeypatch.setattr(einsort_cache, "rebuild_segments",
-                        lambda tensors, meta, dtype: calls.append(tensors["cores"].shape[0]) or real(tensors, meta, dtype))
+                        lambda tensors, meta, dtype, **kw: calls.append(tensors["cores"].shape[:-1].numel()) or real(tensors, meta, dtype, **kw))
     return calls
 
 
@@ -364,3 +364,30 @@ def test_packed_indices_read_back_exactly(width):
         packed = torch.stack([pack_bits(to_bits(row, width)) for row in x])
         assert torch.equal(_unpack(packed, width, count), x)
         assert torch.equal(x[1], from_bits(unpack_bits(packed[1], count * width), width, count))
+
+
+@pytest.mark.parametrize("network,sort,span,nonnegative,mapping", [
+    ("svd", "shared", "channel", True, ("pow", 0.5)), ("svd", "shared", "token", True, ("pow", 0.5)),
+    ("svd", "shared", "segment", True, ("exp", 1.0)), ("svd", "full", "channel", True, ("linear", 1.0)),
+    ("svd", None, "channel", False, ("pow", 0.5)), ("svd", "full", "token", False, ("pow", 0.5)),
+    ("tt", "shared", "channel", True, ("pow", 0.5)), ("tt", "full", "segment", True, ("pow", 0.5)),
+    ("tr", "shared", "token", True, ("pow", 0.5)), ("cp", "shared", "channel", False, ("pow", 0.5)),
+    ("tucker", "shared", "channel", True, ("pow", 0.5)), ("tucker", None, "token", True, ("pow", 0.5)),
+])
+def test_batched_rebuild_equals_each_segment_rebuilt(network, sort, span, nonnegative, mapping):
+    """`rebuild_segments` on stacked packed segments (pivot decoding, the flattened unsorting scatter, signs)
+    gives each segment's own `reconstruct`, also when written into a strided view."""
+    from hf_tensorcomp.cache.einsort_cache import EinSortCacheSettings, compress_segment, rebuild_segments
+
+    g = torch.Generator().manual_seed(5)
+    settings = EinSortCacheSettings.build(network=network, rank=3, sort=sort, sort_span=span, nonnegative=nonnegative,
+                                          mapping=mapping, n_iter_max=5)
+    segs = [compress_segment(torch.randn(3, 16, 8, generator=g), settings) for _ in range(6)]
+    assert len({str(s.meta) for s in segs}) == 1
+    stacked = {k: torch.stack([s.tensors[k] for s in segs]).reshape(2, 3, -1) for k in segs[0].tensors}  # batch dims (2, 3)
+    expected = torch.stack([s.reconstruct() for s in segs]).reshape(2, 3, *segs[0].meta["shape"])
+    got = rebuild_segments(stacked, segs[0].meta, torch.float32)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    out = torch.full((3, 2, *segs[0].meta["shape"]), float("nan")).transpose(0, 1)  # strided
+    assert rebuild_segments(stacked, segs[0].meta, torch.float32, out=out) is out
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

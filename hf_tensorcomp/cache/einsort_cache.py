@@ -49,9 +49,12 @@ Per full-attention layer (`EinSortLayer`), for keys and values alike::
   possible here: the reconstruction is sign ⊙ f⁻¹(unsort(U Vᵀ)) with a per-channel permutation and a
   non-linear unmapping, and attention lives outside the cache. So the default (``low_memory=True``)
   keeps nothing rebuilt and rebuilds *all* segments of a layer at once with a fixed number of
-  batched tensor operations (`rebuild_segments`: one batched contraction, one bit-unpacking of the
-  permutations, one scatter, one sign pass) — a constant number of kernel calls per layer and step
-  whatever the length, each streaming over the cache like DynamicCache's own copy and attention do.
+  batched tensor operations (`rebuild_segments`: one gather for the block-identity cores, one batched
+  contraction, one bit-unpacking of the permutations, one scatter along the flattened (tokens,
+  head_dim) axes, one sign pass), written straight into the tensor the layer returns to attention (no
+  concatenation after it) — a constant number of kernel calls per layer and step whatever the length.
+  Each still streams over the whole cache, so the time per token grows with the length, several times
+  faster than DynamicCache's own copy and attention do (measured in `benchmarks/kv_cache.py --scaling`).
   ``low_memory=False`` still keeps each rebuilt segment (``storage()["rebuilt"]``) and rebuilds only
   new ones (the same batched function): a little faster, but then the packed and the rebuilt states
   together outweigh the dense ones.
@@ -345,13 +348,59 @@ def _unpack(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     return vals.reshape(n, -1)[:, :count].to(torch.int64)
 
 
-def rebuild_segments(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> torch.Tensor:
-    """Reconstruct N packed segments sharing `meta` at once: ``tensors[part]`` is (N, length of that part).
+def _expand_pivots(data: torch.Tensor, piv_bits: torch.Tensor, piv: tuple) -> torch.Tensor:
+    """A block-identity core (N, rows, r) from its stored entries: rows ``idx`` are e_0 .. e_{r-1}, the
+    others are the stored rows in order. One gather from [stored rows; identity] (no boolean masks)."""
+    rows, r, w, first = piv
+    n, dev = data.shape[0], data.device
+    idx = _ints(piv_bits[:, first: first + r * w], w, r)
+    mark = torch.zeros(n, rows, dtype=torch.int64, device=dev).scatter_(1, idx, 1)
+    src = torch.arange(rows, device=dev) - mark.cumsum(1) + mark  # a stored row: its place among the stored rows
+    src.scatter_(1, idx, torch.arange(rows - r, rows, device=dev).expand(n, r))  # pivot j: identity row j
+    ext = torch.cat([data.reshape(n, rows - r, r), torch.eye(r, dtype=data.dtype, device=dev).expand(n, r, r)], 1)
+    return ext.gather(1, src.unsqueeze(-1).expand(n, rows, r))
 
-    Row i gives what ``PackedSegment({k: t[i]}, meta, ...).reconstruct(dtype)`` gives, shaped as the
-    fitted view, (N, *meta["shape"]); the work is a fixed number of batched tensor operations, however large N.
+
+def _unsort_into(dest: torch.Tensor, y: torch.Tensor, perm_bytes: torch.Tensor, lay: "_Layout") -> None:
+    """``dest`` (*batch, *shape) gets ``y`` (N, *shape), sorted along the layout's sort axis, in its original order.
+
+    One scatter along the sort axis and the axes after it, flattened (a scatter along an inner axis of a
+    4-d tensor is several times slower than along the last one), with the flat index ``perm * inner +
+    offset`` built in one operation; straight into ``dest`` where its strides allow."""
+    pshape, count, w = lay.perm
+    n, shape, a = y.shape[0], lay.shape, lay.sort_axis
+    batch, inner, tail = dest.shape[: dest.ndim - len(shape)], math.prod(shape[a + 1:]), math.prod(shape[a:])
+    vals = _unpack(perm_bytes, w, count).view(n, *pshape).expand(n, *pshape[:a], *shape[a:])  # a permutation shared over trailing axes: broadcast
+    offsets = torch.arange(inner, dtype=vals.dtype, device=y.device).view(shape[a + 1:])
+    idx = torch.add(offsets, vals, alpha=inner).view(*batch, *pshape[:a], tail)
+    src = y.reshape(*batch, *shape[:a], tail)
+    flat = _view(dest, src.shape) if dest.dtype == src.dtype else None
+    if flat is not None:
+        flat.scatter_(-1, idx.expand(src.shape), src)
+    else:
+        dest.copy_(torch.empty_like(src).scatter_(-1, idx.expand(src.shape), src).view(dest.shape))
+
+
+def _view(t: torch.Tensor, shape) -> torch.Tensor | None:
+    """``t.view(shape)``, or None where its strides need a copy."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return None
+
+
+def rebuild_segments(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reconstruct packed segments sharing `meta` at once: ``tensors[part]`` is (*batch, length of that part).
+
+    Gives (*batch, *meta["shape"]) at `dtype` — entry i is what ``PackedSegment({k: t[i]}, meta,
+    ...).reconstruct(dtype)`` gives, as the fitted view — written into `out` when given (any strides: a
+    view of the tensor attention reads saves a copy). A fixed number of batched tensor operations, however
+    many segments.
     """
     lay = _layout(_meta_key(meta))
+    batch = tensors["cores"].shape[:-1]
+    tensors = {k: t.reshape(-1, t.shape[-1]) for k, t in tensors.items()}
     flat = tensors["cores"].float()  # contracted in float32, as `TensorNetwork.contract`
     n = flat.shape[0]
     piv_bits = _bits(tensors["pivots"]) if "pivots" in tensors else None
@@ -359,30 +408,24 @@ def rebuild_segments(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.
     for shape, count, piv in lay.cores:
         data = flat[:, pos: pos + count]
         pos += count
-        if piv is None:
-            cores.append(data.reshape(n, *shape))
-            continue
-        rows, r, w, first = piv  # the block-identity core: rows `idx` are e_0 .. e_{r-1}, the others stored in order
-        idx = _ints(piv_bits[:, first: first + r * w], w, r)
-        keep = torch.ones(n, rows, dtype=torch.bool, device=flat.device).scatter_(1, idx, False)
-        full = flat.new_zeros(n, rows, r)
-        full[keep] = data.reshape(-1, r)
-        full.view(n, rows * r).scatter_(1, idx * r + torch.arange(r, device=flat.device), 1.0)
-        cores.append(full.reshape(n, *shape))
+        cores.append((data if piv is None else _expand_pivots(data, piv_bits, piv)).reshape(n, *shape))
     y = torch.bmm(*cores) if lay.network == "svd" else torch.einsum(lay.equation, *cores)
     order = lay.fold_order or tuple(range(len(lay.shape)))
     y = y.reshape(n, *[lay.shape[i] for i in order])
     if lay.fold_order is not None:
         y = y.permute(0, *[1 + order.index(i) for i in range(len(order))])
+    if lay.nonnegative:  # entrywise, so before the unsorting as well as after; in place on the fresh contraction
+        y = einsort.unmap_values(y, *lay.mapping, inplace=True)
+    if out is None:
+        out = torch.empty(*batch, *lay.shape, dtype=dtype, device=y.device)
     if lay.perm is not None:
-        pshape, count, w = lay.perm
-        perm = _unpack(tensors["perm"], w, count).reshape(n, *pshape)
-        y = torch.empty_like(y).scatter_(1 + lay.sort_axis, perm.expand(y.shape), y)
-    if lay.nonnegative:
-        y = einsort.unmap_values(y, *lay.mapping).reshape(n, -1)
-        signs = _SIGN_TABLE.to(y.device).index_select(0, tensors["signs"].reshape(-1).int()).reshape(n, -1)
-        y = y.mul_(signs[:, : y.shape[1]])  # sign bit 1: negative
-    return y.to(dtype).reshape(n, *lay.shape)
+        _unsort_into(out, y, tensors["perm"], lay)
+    else:
+        out.copy_(y.reshape(out.shape))
+    if lay.nonnegative:  # sign bit 1: negative
+        signs = _SIGN_TABLE.to(y.device).index_select(0, tensors["signs"].reshape(-1).int()).view(n, -1)
+        out.mul_(signs[:, : math.prod(lay.shape)].reshape(out.shape))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,16 +479,15 @@ class EinSortLayer(DynamicLayer):
         return [[tuple(PackedSegment({k: t[i, j, s] for k, t in self.packed.items()}, self.meta, shape) for s in (0, 1))
                  for j in range(n)] for i in range(b)]
 
-    def _rebuild(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Segments ``start:`` of every row rebuilt: (batch, kv_heads, tokens, head_dim) keys and values."""
+    def _rebuild_into(self, dest: torch.Tensor, start: int = 0) -> None:
+        """Segments ``start:`` of every row rebuilt into ``dest``: (2 — keys, values —, batch, kv_heads, tokens, head_dim)."""
         b, n = self.packed["cores"].shape[:2]
-        m, seg = n - start, self.settings.segment
-        flat = {k: t[:, start:].reshape(b * m * 2, -1) for k, t in self.packed.items()}
-        y = rebuild_segments(flat, self.meta, self.dtype).to(self.device)
-        y = y.reshape(b, m, 2, self.meta["shape"][0], seg, -1)  # (batch, segments, k/v, heads, tokens, head_dim)
-        h, d = y.shape[3], y.shape[5]
-        return (y[:, :, 0].transpose(1, 2).reshape(b, h, m * seg, d),
-                y[:, :, 1].transpose(1, 2).reshape(b, h, m * seg, d))
+        view = dest.unflatten(3, (n - start, self.settings.segment)).permute(1, 3, 0, 2, 4, 5)
+        view = view.view(b, n - start, 2, *self.meta["shape"])  # (batch, segments, k/v, the fitted view): a view, never a copy
+        rebuild_segments({k: t[:, start:] for k, t in self.packed.items()}, self.meta, self.dtype, out=view)
+
+    def _new_states(self, tokens: int) -> torch.Tensor:
+        return self.keys.new_empty(2, self.keys.shape[0], self.keys.shape[1], tokens, self.keys.shape[-1])
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed tokens as attention sees them: (batch, kv_heads, compressed_length, head_dim) each.
@@ -453,15 +495,17 @@ class EinSortLayer(DynamicLayer):
         All segments are rebuilt at once (`rebuild_segments`) at every call; with ``low_memory=False`` each is
         rebuilt once and kept (`rebuilt`).
         """
-        n = self.n_segments
+        n, seg = self.n_segments, self.settings.segment
+        done = 0 if self.settings.low_memory or self.rebuilt is None else self.rebuilt[0].shape[-2] // seg
+        if done == n:
+            return self.rebuilt
+        kv = self._new_states((n - done) * seg)
+        self._rebuild_into(kv, done)
         if self.settings.low_memory:
-            return self._rebuild(0)
-        done = 0 if self.rebuilt is None else self.rebuilt[0].shape[-2] // self.settings.segment
-        if done < n:
-            new_k, new_v = self._rebuild(done)
-            if done:
-                new_k, new_v = torch.cat([self.rebuilt[0], new_k], dim=-2), torch.cat([self.rebuilt[1], new_v], dim=-2)
-            self.rebuilt = (new_k, new_v)
+            return kv[0], kv[1]
+        if done:
+            kv = torch.cat([torch.stack(self.rebuilt), kv], dim=-2)
+        self.rebuilt = (kv[0], kv[1])
         return self.rebuilt
 
     def _append(self, window_k: torch.Tensor, window_v: torch.Tensor, n: int) -> None:
@@ -486,20 +530,31 @@ class EinSortLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
-        window_k = torch.cat([self.keys, key_states], dim=-2)
-        window_v = torch.cat([self.values, value_states], dim=-2)
-        if self.compressed_length:
-            old_k, old_v = self.reconstruct()
-            out_k, out_v = torch.cat([old_k, window_k], dim=-2), torch.cat([old_v, window_v], dim=-2)
+        c = self.compressed_length
+        if c and self.settings.low_memory:
+            w = self.keys.shape[-2]
+            # one tensor for what attention reads: the segments rebuilt straight into it, then the window and the new states
+            kv = self._new_states(c + w + key_states.shape[-2])
+            self._rebuild_into(kv[..., :c, :])
+            kv[0, :, :, c: c + w], kv[1, :, :, c: c + w] = self.keys, self.values
+            kv[0, :, :, c + w:], kv[1, :, :, c + w:] = key_states, value_states
+            out_k, out_v = kv[0], kv[1]
+            window_k, window_v = out_k[:, :, c:], out_v[:, :, c:]
         else:
+            window_k = torch.cat([self.keys, key_states], dim=-2)
+            window_v = torch.cat([self.values, value_states], dim=-2)
             out_k, out_v = window_k, window_v
+            if c:
+                old_k, old_v = self.reconstruct()
+                out_k, out_v = torch.cat([old_k, window_k], dim=-2), torch.cat([old_v, window_v], dim=-2)
         # then move whole segments out of the window (seen dense by this forward, reconstructed by later ones)
         seg, keep = self.settings.segment, self.settings.residual
         n = (window_k.shape[-2] - keep) // seg if window_k.shape[-2] >= keep + seg else 0
         if n:
             self._append(window_k, window_v, n)
             window_k, window_v = window_k[:, :, n * seg:], window_v[:, :, n * seg:]
-        self.keys, self.values = window_k.contiguous(), window_v.contiguous()
+        # a copy of its own: the window must not keep the tensor returned to attention alive
+        self.keys, self.values = window_k.clone(), window_v.clone()
         return out_k, out_v
 
     def get_seq_length(self) -> int:

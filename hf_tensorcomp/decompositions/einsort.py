@@ -92,12 +92,13 @@ def map_values(x: torch.Tensor, name: str, p: float) -> torch.Tensor:
     return x.mul(p).clamp(_LOG_LO, _LOG_HI).log()
 
 
-def unmap_values(y: torch.Tensor, name: str, p: float) -> torch.Tensor:
-    """Inverse of `map_values` on magnitudes (>= 0 out; exact within the mapping's clamp range)."""
-    if name == "linear":
-        return y.clamp_min(0)
-    if name == "pow":
-        return y.clamp_min(0).pow_(1.0 / p)
+def unmap_values(y: torch.Tensor, name: str, p: float, inplace: bool = False) -> torch.Tensor:
+    """Inverse of `map_values` on magnitudes (>= 0 out; exact within the mapping's clamp range).
+
+    ``inplace``: "linear" and "pow" overwrite `y` (no new tensor); the others allocate as usual."""
+    if name in ("linear", "pow"):
+        y = y.clamp_min_(0) if inplace else y.clamp_min(0)
+        return y if name == "linear" else y.pow_(1.0 / p)
     if name == "exp":
         return y.clamp(1.0, math.exp(10)).log().div(p)
     if name == "add_log":
