@@ -14,6 +14,7 @@ import torch
 
 from hf_tensorcomp.assets import load_text
 from hf_tensorcomp.eval import perplexity
+from hf_tensorcomp.eval.peers import stored_bytes as state_bytes  # noqa: F401  (re-exported for the benchmarks)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -35,24 +36,6 @@ def torch_save_bytes(model) -> int:
 def ppl(model, tok, max_tokens: int, context_length: int = 512) -> float:
     return perplexity(model, tok, load_text("wikipedia", "eval"), context_length=context_length,
                       stride=context_length, max_tokens=max_tokens, progress=False)["ppl"]
-
-
-def state_bytes(model) -> int:
-    """Bytes of every tensor in the state dict, quantized tensors counted by their stored parts (data, scales, ...)."""
-    seen, total = set(), 0
-
-    def add(t):
-        nonlocal total
-        if hasattr(t, "__tensor_flatten__"):  # a quantized tensor subclass (optimum-quanto): count its inner tensors
-            for name in t.__tensor_flatten__()[0]:
-                add(getattr(t, name))
-        elif t.untyped_storage().data_ptr() not in seen:  # tied weights once
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.numel() * t.element_size()
-
-    for t in model.state_dict().values():
-        add(t)
-    return total
 
 
 #: weight-only quantization peers: optimum-quanto int8 (per output channel) and int4 (groups of 128),

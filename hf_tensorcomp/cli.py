@@ -130,6 +130,16 @@ def cmd_compress(args) -> int:
                                   calibration=_calibration(args.calibration), calibration_samples=args.calibration_samples,
                                   calibration_length=args.calibration_length, propagate=not args.no_propagate,
                                   **dict(args.option or []))
+    if args.peers and (args.no_eval or args.stream):
+        raise ValueError("--peers: allowed: only with perplexity evaluation (no --no-eval, no --stream)")
+    if args.peers:  # fails now, before any work, without optimum-quanto
+        try:
+            import optimum.quanto  # noqa: F401
+        except ImportError:
+            raise ValueError("--peers: optimum-quanto is not installed; allowed: pip install \"hf_tensorcomp[quanto]\", "
+                             "or leave --peers out") from None
+    if args.states_dir is not None and not args.stream:
+        raise ValueError(f"--states-dir: got {args.states_dir!r}; allowed: only with --stream")
     out = Path(args.out)
     _check_out(out, args.overwrite)
     src = _resolve(args.model)
@@ -137,7 +147,7 @@ def cmd_compress(args) -> int:
     if args.stream:
         from . import compress_checkpoint
 
-        report = compress_checkpoint(src, out, cfg, dtype=dtype, overwrite=args.overwrite)
+        report = compress_checkpoint(src, out, cfg, dtype=dtype, overwrite=args.overwrite, states_dir=args.states_dir)
         print(json.dumps({k: v for k, v in report.items() if k != "stats"}, indent=2))
         return 0
     try:
@@ -145,10 +155,13 @@ def cmd_compress(args) -> int:
     except (OSError, ValueError) as e:
         raise ValueError(f"model: {args.model}: no tokenizer could be loaded ({str(e).splitlines()[0]}); allowed: a folder "
                          f"holding a model and its tokenizer, a reachable Hub repo id, or {' | '.join(BUNDLED)}") from None
+    from .eval.peers import stored_bytes
+
     report = {"model": args.model, "config": cfg.to_dict()["entries"]}
     if not args.no_eval:
         dense = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
         report["dense_params"] = dense.num_parameters()
+        report["dense_memory_bytes"] = stored_bytes(dense)
         report["dense_ppl"] = _ppl(dense, tok, args)
         del dense
     t0 = time.perf_counter()
@@ -157,10 +170,20 @@ def cmd_compress(args) -> int:
     from .integration.hub import compression_config
 
     st = compression_config(model).stats
-    report.update(params_before=st["params_before"], params_after=st["params_after"], compress_s=st["compress_seconds"])
+    report.update(params_before=st["params_before"], params_after=st["params_after"], compress_s=st["compress_seconds"],
+                  memory_bytes=stored_bytes(model))
     results = {}
     if not args.no_eval:
         report["ppl"] = _ppl(model, tok, args)
+    if args.peers:  # what a user would pick instead, on the same text
+        from .eval.peers import QUANTO_BITS, quanto_weight_only
+
+        report["peers"] = []
+        for bits in QUANTO_BITS:
+            peer = quanto_weight_only(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype), bits)
+            report["peers"].append({"name": f"quanto int{bits}", "memory_bytes": stored_bytes(peer), "ppl": _ppl(peer, tok, args)})
+            del peer
+    if not args.no_eval:
         results = {f"perplexity ({args.text} eval split, ctx {args.context_length}, stride {min(args.stride, args.context_length)}, "
                    f"{args.max_eval_tokens} tokens)": round(report["ppl"], 3),
                    "dense perplexity, same setting": round(report["dense_ppl"], 3)}
@@ -208,8 +231,12 @@ def _print_report(r: dict) -> None:
     print(f"{'':<24}{'dense':>16}{'compressed':>16}{'ratio':>10}")
     row("parameters", r["params_before"], r["params_after"])
     row("size on disk (bytes)", r.get("dense_bytes"), r["bytes"])
+    row("size in memory (bytes)", r.get("dense_memory_bytes"), r["memory_bytes"])
     if "ppl" in r:
         row("perplexity", r["dense_ppl"], r["ppl"], "{:.3f}")
+    for p in r.get("peers", []):
+        row(f"{p['name']}: memory", r.get("dense_memory_bytes"), p["memory_bytes"])
+        row(f"{p['name']}: perplexity", r["dense_ppl"], p["ppl"], "{:.3f}")
     print(f"{'compression time (s)':<24}{'':>16}{r['compress_s']:>16}")
     print(f"{'load + compress (s)':<24}{'':>16}{r['load_and_compress_s']:>16}")
 
@@ -339,6 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--stream", action="store_true",
                    help="one decoder layer in memory at a time, read from the model folder's shards (no evaluation)")
+    c.add_argument("--states-dir", default=None, metavar="DIR",
+                   help="with --stream: keep the calibration hidden states in a temporary folder in DIR, one batch in memory")
+    c.add_argument("--peers", action="store_true",
+                   help="also report optimum-quanto int8 / int4 weight-only on the same text (pip install \"hf_tensorcomp[quanto]\")")
     c.add_argument("--push-to-hub", metavar="REPO", default=None)
     c.add_argument("--no-eval", action="store_true", help="skip perplexity before/after")
     _eval_args(c)

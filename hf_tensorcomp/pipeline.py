@@ -119,7 +119,8 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
     if bad.numel():
         raise ValueError(f"TensorCompressionConfig.calibration: token id {int(bad[0])} is outside the model's vocabulary "
                          f"of {vocab} ({bad.numel()} such ids); allowed: ids in [0, {vocab}), or texts")
-    runner = LayerwiseRunner(model, prefix, layer_list, ids, config.calibration_batch_size)
+    runner = LayerwiseRunner(model, prefix, layer_list, ids, config.calibration_batch_size,
+                             states_dir=getattr(stream, "states_dir", None))
     sensitive = [n for k, names in work for n in names if "fisher" in needs[k] | ladder[k]]
     graded = [n for k, names in work for n in names if "weight_grad" in needs[k]]
     if stream is not None and (sensitive or graded):
@@ -230,7 +231,7 @@ def record(model: nn.Module, config: TensorCompressionConfig, before: tuple[int,
     if finished:
         config.stats["finish"] = finished  # {entry index: what its method's whole-model step reports}
     if runner is not None:
-        config.stats["calibration"] = {"samples": sum(h.shape[0] for h in runner.hidden),
+        config.stats["calibration"] = {"samples": runner.samples,
                                        "tokens": runner.n_tokens, "propagate": config.propagate,
                                        "data": describe(config.calibration)}
         if runner.fisher_fallback:

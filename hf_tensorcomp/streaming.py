@@ -17,12 +17,14 @@ whose units span several layers (TRAWL's whole-model / segmented formulations).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
 import os
 import resource
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -238,6 +240,7 @@ class LayerStream:
         self.weight_map: dict[str, str] = {}
         self.seconds: list[float] = []
         self.largest_written = 0  # bytes of the largest compressed layer held before writing
+        self.states_dir: Path | None = None  # where the calibration runner keeps its hidden states (None: memory)
         self._t = time.perf_counter()
 
     def _load(self, li: int) -> None:
@@ -323,12 +326,15 @@ def _resolve(src) -> Path:
 
 
 def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str | None = None, device: str = "cpu",
-                        dtype: torch.dtype = torch.float32, overwrite: bool = False) -> dict:
+                        dtype: torch.dtype = torch.float32, overwrite: bool = False, states_dir=None) -> dict:
     """Compress the checkpoint in folder `src` into `out` (sharded safetensors + index), one decoder layer
     in memory at a time; returns a report (peak resident memory, seconds per layer, the stats).
 
     max_memory: accepted for the report only (the bound is structural: one layer, the non-layer tensors
     and the calibration states); device: "cpu" (an accelerator is not used by the streaming path yet).
+    states_dir: None (the calibration hidden states in memory) or an existing folder: they are written
+    to a temporary folder in it, one file per calibration batch, read back one batch at a time, and
+    removed at the end (memory then holds one batch of them).
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -343,6 +349,9 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     if cfg.heal:
         fail("heal", cfg.heal, "False with compress_checkpoint (end-to-end healing needs the whole model; heal the "
              "compressed checkpoint afterwards with hf_tensorcomp.heal)")
+    if states_dir is not None and not Path(states_dir).is_dir():
+        raise ValueError(f"compress_checkpoint.states_dir: got {str(states_dir)!r}; allowed: None (states in memory) or an "
+                         "existing folder")
     src = _resolve(src)
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -384,8 +393,11 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
             raise ValueError(f"compress_checkpoint: {missing[0]} is missing from the source checkpoint")
         parent, _, attr = next(n for n, m in model.named_modules() if m is emb).rpartition(".")
         holder = model.get_submodule(parent) if parent else model
-        with atomic_dir(out, overwrite=overwrite) as tmp:
+        with atomic_dir(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as scratch:
             stream = LayerStream(model, reader, tmp, dtype, peak)
+            if states_dir is not None:
+                stream.states_dir = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="hf-tensorcomp-states-",
+                                                                                          dir=states_dir)))
             setattr(holder, attr, StreamedEmbedding(emb, reader, emb_name, dtype))
             try:
                 compress_model(model, cfg, work=work, stream=stream)
@@ -411,7 +423,7 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
             for name in _COPIED:
                 if (src / name).exists():
                     shutil.copy2(src / name, tmp / name)
-    bound = _memory_bound(reader, prefix, len(layers), model, cfg, stream.largest_written)
+    bound = _memory_bound(reader, prefix, len(layers), model, cfg, stream.largest_written, on_disk=states_dir is not None)
     report = {"src": str(src), "out": str(out), "layers": len(layers), "seconds": round(time.perf_counter() - t0, 1),
               "seconds_per_layer": stream.seconds, "peak_above_start_mb": round(peak.above_start / 2**20, 1),
               "setup_peak_above_start_mb": round(((peak.peak if peak.before_mark is None else peak.before_mark)
@@ -424,14 +436,14 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
 
 
 def _memory_bound(reader: ShardReader, prefix: str, n_layers: int, model, cfg: TensorCompressionConfig,
-                  largest_written: int) -> dict[str, int]:
+                  largest_written: int, on_disk: bool = False) -> dict[str, int]:
     """The streaming run's memory bound, in bytes: 1.5 x (the largest decoder layer in float32 + the largest
     compressed layer held before writing + the calibration hidden states + that layer's statistics).
 
     The states are counted four times (the runner's layer-0 inputs, the current layer's inputs and
     outputs, the dense stream that propagation pairs with them); the statistics as one float64 input
     Gram per matrix (in x in, what whitening and GPTQ read) and three more of the largest (the working
-    copies of its decomposition)."""
+    copies of its decomposition). States on disk (``on_disk``): four copies of one calibration batch's."""
     layer_bytes = stats_bytes = 0
     for li in range(n_layers):
         head = f"{prefix}.{li}."
@@ -444,7 +456,10 @@ def _memory_bound(reader: ShardReader, prefix: str, n_layers: int, model, cfg: T
         stats_bytes = sum(grams) + 3 * max(grams, default=0)  # and the largest one's damped copy, Cholesky factor, inverse
     cal = cfg.stats.get("calibration", {})
     hidden = model.config.get_text_config().hidden_size
-    states = 4 * cal.get("tokens", 0) * hidden * 4 if calibrated else 0
+    tokens = cal.get("tokens", 0)
+    if on_disk and cal.get("samples"):  # one batch of samples
+        tokens = tokens // cal["samples"] * min(cal["samples"], cfg.calibration_batch_size)
+    states = 4 * tokens * hidden * 4 if calibrated else 0
     parts = {"layer_fp32": layer_bytes, "compressed_layer": largest_written, "calibration_states": states,
              "layer_statistics": stats_bytes}
     parts["bound"] = int(1.5 * sum(parts.values()))

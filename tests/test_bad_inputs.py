@@ -243,6 +243,20 @@ def test_non_finite_activations_name_the_layer(tiny_dirs):
         hf_tensorcomp.compress(model, laser(whiten=True, calibration=calib()))
 
 
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_non_finite_embeddings_are_named(tiny_dirs, tmp_path, on_disk):
+    """Checked batch by batch as the first layer's inputs are captured (with ``states_dir``, before they are written)."""
+    from hf_tensorcomp.calibration.pipeline import LayerwiseRunner
+    from hf_tensorcomp.plan import find_decoder_layers
+
+    model = dense(tiny_dirs)
+    ids = calib()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[int(ids.reshape(-1)[-1])] = float("inf")  # a token of the last batch
+    with pytest.raises(ValueError, match=r"embeddings of the calibration tokens are not finite"):
+        LayerwiseRunner(model, *find_decoder_layers(model), ids, batch_size=2, states_dir=tmp_path if on_disk else None)
+
+
 def test_bad_calibration_data_names_the_argument(tiny_dirs, tiny_with_tokenizer):
     from datasets import Dataset
 
@@ -277,7 +291,8 @@ def test_state_reduction_one_sample():
 
 
 # ---------------------------------------------------------------- the CLI
-@pytest.mark.parametrize("case", ["malformed", "option_list", "missing_recipe", "missing_model", "out_is_file"])
+@pytest.mark.parametrize("case", ["malformed", "option_list", "missing_recipe", "missing_model", "out_is_file",
+                                  "states_dir_without_stream"])
 def test_cli_bad_invocations(case, tiny_with_tokenizer, tmp_path, capsys):
     recipe = tmp_path / "r.json"
     out = tmp_path / "out"
@@ -292,6 +307,8 @@ def test_cli_bad_invocations(case, tiny_with_tokenizer, tmp_path, capsys):
         argv += ["--recipe", str(tmp_path / "nope.json")]
     elif case == "missing_model":
         argv[1] = str(tmp_path / "no-such-model")
+    elif case == "states_dir_without_stream":
+        argv += ["--states-dir", str(tmp_path)]
     else:
         out.write_text("a file")
     before = sorted(os.listdir(tmp_path))

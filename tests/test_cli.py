@@ -122,3 +122,30 @@ def test_card_base_model_is_a_hub_id(tmp_path):
     assert _base_model("smollm2") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert _base_model("gemma3") == "google/gemma-3-270m"
     assert _base_model("user/repo") == "user/repo" and _base_model(str(tmp_path)) is None
+
+
+@pytest.mark.slow
+def test_peers_are_reported_beside_the_compressed_model(tmp_path, capsys):
+    """``--peers``: optimum-quanto int8 and int4 weight-only on the same text, their bytes as held (packed
+    codes and scales, not the float shadow) and perplexity, as a user would compare them."""
+    pytest.importorskip("optimum.quanto")
+    out = tmp_path / "smol"
+    assert main(["compress", "smollm2", "--method", "laser", "--rank", "16", "--targets", "mlp.down_proj", "--layers", "-1",
+                 "--peers", "--max-eval-tokens", "512", "--out", str(out), "--quiet"]) == 0
+    assert "quanto int4: perplexity" in capsys.readouterr().out
+    r = json.loads((out / "compression_report.json").read_text())
+    int8, int4 = r["peers"]
+    assert (int8["name"], int4["name"]) == ("quanto int8", "quanto int4")
+    assert int4["memory_bytes"] < int8["memory_bytes"] < r["memory_bytes"] < r["dense_memory_bytes"]
+    assert abs(int8["ppl"] / r["dense_ppl"] - 1) < 0.01 < int4["ppl"] / r["dense_ppl"] - 1
+    assert main(["compress", "smollm2", "--rank", "4", "--peers", "--no-eval", "--out", str(tmp_path / "x")]) == 2
+    assert "--peers" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_quanto_weight_only_names_its_bits(tiny_dirs):
+    from transformers import AutoModelForCausalLM
+
+    from hf_tensorcomp.eval.peers import quanto_weight_only
+
+    with pytest.raises(ValueError, match=r"quanto_weight_only: bits: got 3; allowed: 8 \| 4"):
+        quanto_weight_only(AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]), 3)

@@ -159,3 +159,34 @@ def test_streaming_peak_memory_stays_within_the_bound(tmp_path):
     assert report["peak_above_start_mb"] <= report["bound_mb"]["bound"] < model_mb / 2, report
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert again.lm_head.weight.shape == (64000, 768)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_calibration_states_on_disk_give_the_same_checkpoint(sharded, tmp_path, arch):
+    """``states_dir``: the calibration hidden states go to files there, one per batch, read back one at a time
+    (GPTQ's and the correction's statistics, propagation and the paired dense stream alike); the checkpoint is
+    bit-identical, the folder is left as it was, and the bound counts one batch of states instead of all."""
+    from hf_tensorcomp.calibration.pipeline import DiskStates, LayerwiseRunner
+    from hf_tensorcomp.plan import find_decoder_layers
+
+    cfg = lambda: TensorCompressionConfig(method="qlr", rank=4, group_size=16, calibration=CAL, calibration_batch_size=2,
+                                          progress=False)
+    (tmp_path / "states").mkdir()
+    (tmp_path / "states" / "mine.txt").write_text("kept")
+    plain = hf_tensorcomp.compress_checkpoint(sharded[arch], tmp_path / "plain", cfg())
+    disk = hf_tensorcomp.compress_checkpoint(sharded[arch], tmp_path / "disk", cfg(), states_dir=tmp_path / "states")
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "plain").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "disk").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [p.name for p in (tmp_path / "states").iterdir()] == ["mine.txt"]
+    assert disk["bound_mb"]["calibration_states"] < plain["bound_mb"]["calibration_states"]  # 2 of 8 samples
+    model = AutoModelForCausalLM.from_pretrained(sharded[arch])
+    runner = LayerwiseRunner(model, *find_decoder_layers(model), CAL, batch_size=2, states_dir=tmp_path / "runner")
+    assert isinstance(runner.hidden, DiskStates) and len(list((tmp_path / "runner").rglob("*.safetensors"))) == 4
+    memory = LayerwiseRunner(model, *find_decoder_layers(model), CAL, batch_size=2)
+    assert all(torch.equal(x, y) for x, y in zip(runner.hidden, memory.hidden))
+    assert (runner.samples, runner.n_tokens) == (memory.samples, memory.n_tokens) == (8, 8 * 32)
+    runner.close()
+    assert not list((tmp_path / "runner").rglob("*.safetensors"))
+    with pytest.raises(ValueError, match=r"compress_checkpoint\.states_dir: got .*; allowed: None \(states in memory\) or an existing folder"):
+        hf_tensorcomp.compress_checkpoint(sharded[arch], tmp_path / "x", cfg(), states_dir=tmp_path / "missing")

@@ -13,12 +13,16 @@
    inputs it gets in the partly compressed model.
 
 Peak memory: the model, one layer's statistics and two copies of the hidden states of the
-calibration batch (samples x length x hidden, float of the model's dtype).
+calibration batch (samples x length x hidden, float of the model's dtype). With ``states_dir`` the
+hidden states live in files there instead (`DiskStates`, one per batch) and memory holds one batch
+of them at a time.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -31,11 +35,50 @@ class _Stop(Exception):
     pass
 
 
-class LayerwiseRunner:
-    """Holds the captured layer inputs and runs the calibration batches through one layer at a time."""
+class DiskStates:
+    """The hidden states of the calibration batches as files in ``folder`` (one safetensors file per batch),
+    read back one batch at a time: a sequence of tensors like the list it stands in for."""
 
-    def __init__(self, model: nn.Module, prefix: str, layers: nn.ModuleList, ids: torch.Tensor, batch_size: int = 8):
+    def __init__(self, folder: Path, tensors: Iterable[torch.Tensor]):
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True)
+        self.folder, self.shapes = folder, []
+        for i, t in enumerate(tensors):
+            save_file({"h": t.contiguous()}, str(folder / f"{i}.safetensors"))
+            self.shapes.append(tuple(t.shape))
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.folder / f"{i}.safetensors"))["h"]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def drop(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _drop(states, *keep) -> None:
+    """Remove `states`' files when it is a `DiskStates` none of `keep` still uses."""
+    if isinstance(states, DiskStates) and all(states is not k for k in keep):
+        states.drop()
+
+
+class LayerwiseRunner:
+    """Holds the captured layer inputs and runs the calibration batches through one layer at a time.
+
+    ``states_dir``: a folder for the hidden states (`DiskStates`) instead of memory."""
+
+    def __init__(self, model: nn.Module, prefix: str, layers: nn.ModuleList, ids: torch.Tensor, batch_size: int = 8,
+                 states_dir: str | Path | None = None):
         self.model, self.prefix, self.layers, self.ids = model, prefix, layers, ids
+        self.states_dir = None if states_dir is None else Path(states_dir)
+        self._written = 0  # DiskStates folders made so far (each gets a fresh name)
         #: {module name: per-output-channel Fisher} from `sensitivity.output_fisher`, attached to every
         #: statistic of that module the runner hands out (computed once, on the dense model)
         self.fisher: dict[str, torch.Tensor] = {}
@@ -44,47 +87,75 @@ class LayerwiseRunner:
         self.weight_grad: dict[str, torch.Tensor] = {}
         base = model.get_submodule(prefix.rpartition(".")[0])  # the decoder stack: embeddings, layers, norm
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))  # streamed: some on meta
-        self.hidden: list[torch.Tensor] = []
         self.kwargs: list[list[dict]] = []  # [batch][layer] -> kwargs of that layer's call
-        for batch in ids.split(batch_size):
-            calls: list[dict] = []
 
-            def recorder(li):
-                def forward(hidden_states, *args, **kwargs):
-                    if args:
-                        raise RuntimeError(f"hf_tensorcomp calibration: decoder layer {li} got positional arguments "
-                                           "beyond the hidden states; this architecture is not supported")
-                    if li == 0:
-                        self.hidden.append(hidden_states.detach())
-                    calls.append(kwargs)
-                    return hidden_states
+        def captured():  # each batch's layer-0 inputs, as they are captured (kept, or written, one by one)
+            for batch in ids.split(batch_size):
+                calls: list[dict] = []
+                first: list[torch.Tensor] = []
 
-                return forward
+                def recorder(li):
+                    def forward(hidden_states, *args, **kwargs):
+                        if args:
+                            raise RuntimeError(f"hf_tensorcomp calibration: decoder layer {li} got positional arguments "
+                                               "beyond the hidden states; this architecture is not supported")
+                        if li == 0:
+                            first.append(hidden_states.detach())
+                        calls.append(kwargs)
+                        return hidden_states
 
-            for li, layer in enumerate(layers):
-                layer.forward = recorder(li)
-            try:
-                with torch.no_grad():
-                    base(input_ids=batch.to(device), use_cache=False)
-            finally:
-                for layer in layers:
-                    del layer.forward
-            if len(calls) != len(layers):
-                raise RuntimeError(f"hf_tensorcomp calibration: {len(calls)} of {len(layers)} decoder layers were called")
-            self.kwargs.append(calls)
-        if not all(bool(torch.isfinite(h).all()) for h in self.hidden):
-            raise ValueError("hf_tensorcomp calibration: the embeddings of the calibration tokens are not finite (Inf/NaN); "
-                             "check the model's input embedding weights")
+                    return forward
+
+                for li, layer in enumerate(layers):
+                    layer.forward = recorder(li)
+                try:
+                    with torch.no_grad():
+                        base(input_ids=batch.to(device), use_cache=False)
+                finally:
+                    for layer in layers:
+                        del layer.forward
+                if len(calls) != len(layers):
+                    raise RuntimeError(f"hf_tensorcomp calibration: {len(calls)} of {len(layers)} decoder layers were called")
+                if not bool(torch.isfinite(first[0]).all()):
+                    raise ValueError("hf_tensorcomp calibration: the embeddings of the calibration tokens are not finite "
+                                     "(Inf/NaN); check the model's input embedding weights")
+                self.kwargs.append(calls)
+                yield first[0]
+
+        self.hidden = self._keep(captured())
+
+    @property
+    def samples(self) -> int:
+        return sum(s[0] for s in self._shapes())
 
     @property
     def n_tokens(self) -> int:
-        return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+        return sum(s[0] * s[1] for s in self._shapes())
 
-    def _forward(self, li: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _shapes(self) -> list[tuple]:
+        return self.hidden.shapes if isinstance(self.hidden, DiskStates) else [tuple(h.shape) for h in self.hidden]
+
+    def _keep(self, tensors: Iterable[torch.Tensor]):
+        """The batches' states as a list, or written one by one to a fresh `DiskStates` folder."""
+        if self.states_dir is None:
+            return list(tensors)
+        self._written += 1
+        return DiskStates(self.states_dir / f"states-{self._written}", tensors)
+
+    def _forward(self, li: int, hidden) -> list[torch.Tensor] | DiskStates:
         layer = self.layers[li]
-        with torch.no_grad():
-            out = [layer(h, **kw[li]) for h, kw in zip(hidden, self.kwargs)]
-        return [o[0] if isinstance(o, tuple) else o for o in out]
+
+        def outputs():
+            for h, kw in zip(hidden, self.kwargs):
+                with torch.no_grad():
+                    o = layer(h, **kw[li])
+                yield o[0] if isinstance(o, tuple) else o
+
+        return self._keep(outputs())
+
+    def close(self) -> None:
+        """Remove the states' files (``states_dir``); the runner cannot run again."""
+        _drop(self.hidden)
 
     def _check_finite(self, li: int, out: list[torch.Tensor], when: str) -> None:
         """Stop at the first decoder layer whose outputs are not finite (its inputs were), naming it."""
@@ -106,10 +177,10 @@ class LayerwiseRunner:
         """Layers 0..last in order: gather `wanted[li]` ({module name under the layer list: kinds}),
         call ``on_layer(li, stats)`` (True if it changed the layer), move the hidden states on.
         `stream`: ``stream.upto(li)`` before layer ``li`` runs (loads it, releases those before it)."""
-        hidden = list(self.hidden)
+        hidden = self.hidden
         # a second, dense stream only when some module asks for "cross" and the streams can differ
         paired = propagate and any("cross" in k for w in wanted.values() for k in w.values())
-        dense = list(self.hidden) if paired else None
+        dense = self.hidden if paired else None
         for li in tqdm(range(last + 1), desc=desc, disable=not progress, unit="layer"):
             if stream is not None:  # layers streamed from a checkpoint: this one loaded, the ones before released
                 stream.upto(li)
@@ -134,8 +205,13 @@ class LayerwiseRunner:
             changed = on_layer(li, stats)
             del stats
             if changed and propagate and li < last:
-                out = self._forward(li, hidden)
+                first, out = out, self._forward(li, hidden)
+                _drop(first, self.hidden)
                 self._check_finite(li, out, " once compressed")
+            _drop(hidden, self.hidden, dense)
             hidden = out
             if paired:
+                _drop(dense, self.hidden, hidden)
                 dense = dense_out
+        _drop(hidden, self.hidden)
+        _drop(dense, self.hidden, hidden)
