@@ -443,7 +443,8 @@ def _memory_bound(reader: ShardReader, prefix: str, n_layers: int, model, cfg: T
     The states are counted four times (the runner's layer-0 inputs, the current layer's inputs and
     outputs, the dense stream that propagation pairs with them); the statistics as one float64 input
     Gram per matrix (in x in, what whitening and GPTQ read) and three more of the largest (the working
-    copies of its decomposition). States on disk (``on_disk``): four copies of one calibration batch's."""
+    copies of its decomposition), plus the largest matrix's whitened SVD in float64 (W S, its factors
+    and LAPACK's workspace). States on disk (``on_disk``): four copies of one calibration batch's."""
     layer_bytes = stats_bytes = 0
     for li in range(n_layers):
         head = f"{prefix}.{li}."
@@ -451,9 +452,12 @@ def _memory_bound(reader: ShardReader, prefix: str, n_layers: int, model, cfg: T
         layer_bytes = max(layer_bytes, sum((e - b) // d.itemsize * 4 for d, _, b, e in sizes))
     calibrated = cfg.calibration is not None
     if calibrated:
-        grams = [shape[-1] ** 2 * 8 for name in reader.where if name.startswith(f"{prefix}.0.") and name.endswith(".weight")
-                 for _, shape, _, _ in [reader.info(name)] if len(shape) == 2]
+        shapes = [shape for name in reader.where if name.startswith(f"{prefix}.0.") and name.endswith(".weight")
+                  for _, shape, _, _ in [reader.info(name)] if len(shape) == 2]
+        grams = [s[-1] ** 2 * 8 for s in shapes]
         stats_bytes = sum(grams) + 3 * max(grams, default=0)  # and the largest one's damped copy, Cholesky factor, inverse
+        # the largest matrix's whitened SVD in float64: W S, its factors and LAPACK's workspace (~5 min(out, in)^2)
+        stats_bytes += max((8 * (2 * o * i + 5 * min(o, i) ** 2) for o, i in shapes), default=0)
     cal = cfg.stats.get("calibration", {})
     hidden = model.config.get_text_config().hidden_size
     tokens = cal.get("tokens", 0)

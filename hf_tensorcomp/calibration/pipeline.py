@@ -204,9 +204,10 @@ class LayerwiseRunner:
                 st.weight_grad = self.weight_grad.get(n)
             changed = on_layer(li, stats)
             del stats
-            if changed and propagate and li < last:
-                first, out = out, self._forward(li, hidden)
-                _drop(first, self.hidden)
+            if changed and propagate and li < last:  # the outputs again, from the compressed layer
+                _drop(out, self.hidden)
+                out = None  # the dense layer's outputs are not needed: freed before the forward, not after it
+                out = self._forward(li, hidden)
                 self._check_finite(li, out, " once compressed")
             _drop(hidden, self.hidden, dense)
             hidden = out
