@@ -15,6 +15,7 @@ import torch
 from hf_tensorcomp.assets import load_text
 from hf_tensorcomp.eval import perplexity
 from hf_tensorcomp.eval.peers import stored_bytes as state_bytes  # noqa: F401  (re-exported for the benchmarks)
+from hf_tensorcomp.eval.peers import without_inference_mode as _without_inference_mode  # noqa: F401
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -41,18 +42,6 @@ def ppl(model, tok, max_tokens: int, context_length: int = 512) -> float:
 #: weight-only quantization peers: optimum-quanto int8 (per output channel) and int4 (groups of 128),
 #: every decoder-layer nn.Linear; activations stay in float (unlike torch's dynamic int8)
 WEIGHT_ONLY = {"int8 weight-only (quanto)": "qint8", "int4 weight-only (quanto)": "qint4"}
-
-
-def _without_inference_mode(model) -> None:
-    """Run the model's forward under no_grad instead of inference mode: quanto's int4 weights fail there
-    ("Cannot set version_counter for inference tensor"), and perplexity / generate use inference mode."""
-    forward = model.forward
-
-    def run(*args, **kwargs):
-        with torch.inference_mode(False), torch.no_grad():
-            return forward(*args, **kwargs)
-
-    model.forward = run
 
 
 def weight_only_peers(load_dense, tok, max_tokens: int) -> list[dict]:

@@ -539,6 +539,7 @@ class EinSortLayer(DynamicLayer):
             kv[0, :, :, c: c + w], kv[1, :, :, c: c + w] = self.keys, self.values
             kv[0, :, :, c + w:], kv[1, :, :, c + w:] = key_states, value_states
             out_k, out_v = kv[0], kv[1]
+            # the window is a view of what attention gets: copied below, so it does not keep that alive
             window_k, window_v = out_k[:, :, c:], out_v[:, :, c:]
         else:
             window_k = torch.cat([self.keys, key_states], dim=-2)
@@ -553,8 +554,8 @@ class EinSortLayer(DynamicLayer):
         if n:
             self._append(window_k, window_v, n)
             window_k, window_v = window_k[:, :, n * seg:], window_v[:, :, n * seg:]
-        # a copy of its own: the window must not keep the tensor returned to attention alive
-        self.keys, self.values = window_k.clone(), window_v.clone()
+        fused = c and self.settings.low_memory
+        self.keys, self.values = (window_k.clone(), window_v.clone()) if fused else (window_k.contiguous(), window_v.contiguous())
         return out_k, out_v
 
     def get_seq_length(self) -> int:

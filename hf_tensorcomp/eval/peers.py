@@ -29,6 +29,12 @@ def quanto_weight_only(model: nn.Module, bits: int) -> nn.Module:
     _, layers = find_decoder_layers(model)
     quanto.quantize(layers, weights={8: quanto.qint8, 4: quanto.qint4}[bits])
     quanto.freeze(layers)
+    without_inference_mode(model)
+    return model
+
+
+def without_inference_mode(model: nn.Module) -> None:
+    """Run `model`'s forward under ``no_grad`` outside inference mode (quanto's int4 weights fail inside it)."""
     forward = model.forward
 
     def run(*args, **kwargs):
@@ -36,7 +42,6 @@ def quanto_weight_only(model: nn.Module, bits: int) -> nn.Module:
             return forward(*args, **kwargs)
 
     model.forward = run
-    return model
 
 
 def stored_bytes(model: nn.Module) -> int:
@@ -58,4 +63,4 @@ def stored_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["QUANTO_BITS", "quanto_weight_only", "stored_bytes"]
+__all__ = ["QUANTO_BITS", "quanto_weight_only", "stored_bytes", "without_inference_mode"]
