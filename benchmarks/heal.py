@@ -35,6 +35,7 @@ ROWS = {
     "laser0.8": {"method": "laser", "target": 0.8, "whiten": True, "weighting": "fisher", "targets": ["*_proj"]},
     "laser0.6": {"method": "laser", "target": 0.6, "whiten": True, "weighting": "fisher", "targets": ["*_proj"]},
     "qlr_bytes_0.27": {"method": "qlr", "target_bytes": 0.27, "group_size": 128},
+    "qlr4_r32": {"method": "qlr", "bits": 4, "group_size": 128, "rank": 32},  # the README's main job
 }
 ROWS["laser0.8_256w"], ROWS["laser0.6_256w"] = ROWS["laser0.8"], ROWS["laser0.6"]
 HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples": 256}}  # row -> its own healing settings

@@ -32,7 +32,8 @@ NAME = "quantized"
 DEFAULTS = {
     "models": ["smollm2", "gemma3"],
     "rows": ["dense", "quanto_int8", "quanto_int4", "rtn4", "gptq4", "qlr4_r32", "qlr_bytes_0.27", "rtn4_r32",
-             "qlr_bytes_0.33", "qlr_bytes_0.21", "laser0.6_f8", "qlr4_r16", "laser0.6_f4"],
+             "qlr_bytes_0.33", "qlr_bytes_0.21", "laser0.6_f8", "qlr4_r16", "laser0.6_f4", "qlr4_r32_emb8",
+             "qlr4_r32_emb4"],
     "eval_tokens": 8192,
     "calibration_samples": 32,
     "calibration_length": 256,
@@ -53,6 +54,9 @@ ROWS = {  # label -> TensorCompressionConfig fields
     "qlr_bytes_0.33": {"method": "qlr", "target_bytes": 0.33, "rounds": 1},
     "laser0.6_f8": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 8},
     "laser0.6_f4": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 4},
+    # the main job with the input embedding (and the tied head with it) stored as codes too
+    "qlr4_r32_emb8": {"method": "qlr", "rank": 32, "rounds": 1, "embedding_bits": 8},
+    "qlr4_r32_emb4": {"method": "qlr", "rank": 32, "rounds": 1, "embedding_bits": 4},
 }
 
 
@@ -80,19 +84,36 @@ def _linear_bytes(model) -> tuple[int, int]:
 
 
 def _model_bytes(model, linear_stored: int, linear_dense: int) -> int:
-    """The whole model at bf16 with the decoder linears as stored (tied embeddings once)."""
-    return sum(p.numel() * 2 for p in model.parameters()) - _float_linear_bytes(model) + linear_stored
-
-
-def _float_linear_bytes(model) -> int:
-    import torch
-
-    from hf_tensorcomp.layers import FactorizedModule
+    """The whole model with the decoder linears as stored (`_linear_bytes`) and every other tensor as
+    `_as_shipped` counts it (tied embeddings once; a quantized embedding by its codes and scales)."""
     from hf_tensorcomp.plan import find_decoder_layers
 
     _, layers = find_decoder_layers(model)
-    return sum(p.numel() * 2 for m in layers.modules() if isinstance(m, (torch.nn.Linear, FactorizedModule))
-               and hasattr(m, "in_features") for p in m.parameters(recurse=False))
+    linears = [m for m in layers.modules() if _is_linear(m)]
+    return _as_shipped(model.modules()) - _as_shipped(linears) + linear_stored
+
+
+def _is_linear(m) -> bool:
+    import torch
+
+    from hf_tensorcomp.layers import FactorizedModule
+
+    return isinstance(m, (torch.nn.Linear, FactorizedModule)) and hasattr(m, "in_features")
+
+
+def _as_shipped(modules) -> int:
+    """Bytes of the modules' own parameters and saved buffers, float32 counted at bf16 (the models as
+    shipped), integer codes and float16 scales as stored; each tensor once."""
+    import torch
+
+    seen, total = set(), 0
+    for m in modules:
+        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if name in m._non_persistent_buffers_set or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            total += t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
+    return total
 
 
 def _quanto(model, bits: int) -> None:
@@ -122,6 +143,8 @@ def _one(job: dict, q) -> None:
         fields = dict(ROWS[job["row"]])
         if fields["method"] == "qlr" or "factor_bits" in fields:
             fields["group_size"] = job["group_size"]
+        if "embedding_bits" in fields:
+            fields["embedding_group_size"] = job["group_size"]
         if fields["method"] == "laser":
             fields["targets"] = ["*_proj"]
         cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", calibration_samples=job["calibration_samples"],

@@ -92,8 +92,19 @@ def check_specs(model: nn.Module, config, work) -> None:
     if not isinstance(config.compressed_modules, dict):
         raise ValueError("compressed_modules: not a dict; the checkpoint's config.json is corrupt")
     containers = set()
+    embedding = _embedding_specs(model, config)
     for name, spec in config.compressed_modules.items():
         if isinstance(spec, dict) and spec.get("new"):
+            continue
+        if isinstance(spec, dict) and spec.get("layer") in ("qembedding", "qhead"):
+            if embedding.get(name) != spec["layer"]:
+                raise ValueError(f"compressed_modules[{name!r}].layer: got {spec['layer']!r}; allowed: "
+                                 + (f"{embedding} (embedding_bits={config.embedding_bits})" if embedding else
+                                    "none with embedding_bits=None") + "; the checkpoint's config.json is corrupt or edited")
+            _layer_class(spec).check_spec(name, spec)
+            if spec.get("source") not in (None, *[n for n, k in embedding.items() if k == "qembedding"]):
+                raise ValueError(f"compressed_modules[{name!r}].source: got {spec['source']!r}; allowed: the input "
+                                 "embedding's name; the checkpoint's config.json is corrupt or edited")
             continue
         if name not in owner:
             raise ValueError(f"compressed_modules[{name!r}]: no factorized entry of this config targets that module; "
@@ -112,6 +123,18 @@ def check_specs(model: nn.Module, config, work) -> None:
             raise ValueError(f"compressed_modules[{name!r}]: shared factors no compressed module of this config reads "
                              f"from there; allowed: {sorted(c for c in containers if c)}; the checkpoint's config.json "
                              "is corrupt or edited")
+
+
+def _embedding_specs(model: nn.Module, config) -> dict[str, str]:
+    """{module name: layer type} that ``embedding_bits`` may write: the input embedding and the output head."""
+    if not getattr(config, "embedding_bits", None):
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {names[id(model.get_input_embeddings())]: "qembedding"}
+    head = model.get_output_embeddings()
+    if head is not None and id(head) in names:
+        out[names[id(head)]] = "qhead"
+    return out
 
 
 def check_references(model: nn.Module, names) -> None:

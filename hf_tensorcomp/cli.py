@@ -129,6 +129,7 @@ def cmd_compress(args) -> int:
                                   layers=args.layers, mode=args.mode, progress=not args.quiet,
                                   calibration=_calibration(args.calibration), calibration_samples=args.calibration_samples,
                                   calibration_length=args.calibration_length, propagate=not args.no_propagate,
+                                  **({"embedding_bits": args.embedding_bits} if args.embedding_bits else {}),
                                   **dict(args.option or []))
     if args.peers and (args.no_eval or args.stream):
         raise ValueError("--peers: allowed: only with perplexity evaluation (no --no-eval, no --stream)")
@@ -361,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mode", default="factorized", choices=["factorized", "dense"])
     c.add_argument("--option", type=_option, action="append",
                    help="method option KEY=VALUE (repeatable); each method's options: hf-tensorcomp methods METHOD")
+    c.add_argument("--embedding-bits", type=int, default=None, choices=[4, 8],
+                   help="also store the input embedding and the (tied) head as 8- or 4-bit codes")
     c.add_argument("--recipe", default=None, help="JSON file of compress options (see recipes/)")
     c.add_argument("--out", required=True, help="output folder (written atomically)")
     c.add_argument("--overwrite", action="store_true")

@@ -115,6 +115,10 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         progress: show tqdm progress bars while compressing.
         heal: False (default), True or a dict of `hf_tensorcomp.healing.HEAL_DEFAULTS` settings: after
             compression, distil the model toward the dense one on the calibration text (`hf_tensorcomp.heal`).
+        embedding_bits: None (default: the input embedding and the head stay as they are) | 8 | 4: store
+            them as integer codes (round to nearest, a float16 scale and an integer zero point per group of
+            ``embedding_group_size`` values along each token's row); a tied head stays tied, reading the
+            embedding's codes (`hf_tensorcomp.layers.QuantizedEmbedding` / `QuantizedHead`).
         **options: method-specific options (each method lists and validates its own).
     """
 
@@ -136,6 +140,8 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         propagate: bool = True,
         calibration_tokenizer=None,
         heal=False,
+        embedding_bits: int | None = None,
+        embedding_group_size: int = DEFAULT_GROUP_SIZE,
         compressed_modules: dict | None = None,
         stats: dict | None = None,
         format_version: int = FORMAT_VERSION,
@@ -188,6 +194,12 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         from .healing import validate_heal
 
         self.heal = validate_heal(heal)
+        if embedding_bits not in FACTOR_BITS or isinstance(embedding_bits, bool):
+            fail("embedding_bits", embedding_bits, "None (embedding and head as they are) | 8 | 4 (integer codes per group "
+                 "of embedding_group_size values)")
+        if not is_int(embedding_group_size, 16) or embedding_group_size > 8192:
+            fail("embedding_group_size", embedding_group_size, "an int in [16, 8192]")
+        self.embedding_bits, self.embedding_group_size = embedding_bits, embedding_group_size
         if self.heal is not None and self.calibration is None and not compressed_modules:
             fail("calibration", None, "calibration text for heal= (the distillation trains on it), e.g. calibration='wikipedia'")
         if not propagate and any(e.options.get("correct") for e in self.entries):
@@ -225,6 +237,8 @@ class TensorCompressionConfig(QuantizationConfigMixin):
             "calibration": describe(self.calibration),
             **{k: getattr(self, k) for k in CALIBRATION_DEFAULTS},
             **({"heal": copy.deepcopy(self.heal)} if self.heal else {}),
+            **({"embedding_bits": self.embedding_bits, "embedding_group_size": self.embedding_group_size}
+               if self.embedding_bits else {}),
             "compressed_modules": copy.deepcopy(self.compressed_modules),
             "stats": copy.deepcopy(self.stats),
         }

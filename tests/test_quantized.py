@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+import hf_tensorcomp
 from hf_tensorcomp import TensorCompressionConfig
 from hf_tensorcomp.decompositions.quantize import (Int4Kernel, int4_kernel_available, pack, quantize_gptq, quantize_rtn,
                                                   stored_bytes, unpack)
@@ -191,16 +192,19 @@ def test_rows_not_a_multiple_of_the_group_are_padded_per_row(data):
     assert ((w - g.dequantize()) @ x.T).norm() < ((w - q.dequantize()) @ x.T).norm()
 
 
-def test_qlr_exports_as_a_base_and_a_peft_adapter(tiny_dirs, tmp_path, ids):
-    """The pair loads with transformers and PEFT alone and computes the same logits."""
+@pytest.mark.parametrize("kw", [{}, {"embedding_bits": 4, "embedding_group_size": 16}])
+def test_qlr_exports_as_a_base_and_a_peft_adapter(tiny_dirs, tmp_path, ids, kw):
+    """The pair loads with transformers and PEFT alone and computes the same logits (a quantized tied
+    embedding: de-quantized in the base, tied again)."""
     from peft import PeftModel
 
     from hf_tensorcomp.integration.peft import export_qlr
 
-    m = _qlr(tiny_dirs, rank=4)
+    m = _qlr(tiny_dirs, rank=4, **kw)
     export_qlr(m, tmp_path / "base", tmp_path / "adapter")
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     assert getattr(base.config, "quantization_config", None) is None
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
     pair = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert torch.allclose(pair(ids).logits, m(ids).logits, atol=1e-5)
@@ -263,3 +267,80 @@ def test_casting_a_quantized_model_keeps_its_stored_scales(tiny_dirs, tmp_path, 
         assert (again(ids).logits.float() - ref).abs().max() <= 0.02 * ref.abs().max()
     with torch.enable_grad():
         m.to(torch.float32)(ids).logits.sum().backward()  # float32 again: de-quantized path, gradients flow
+
+
+# ---------------------------------------------------------------------------- embeddings and the head
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])  # tied; untied; tied and scaled (Gemma)
+def test_quantized_embedding_and_head_save_reload_and_keep_the_tie(tiny_dirs, tmp_path, ids, arch):
+    from hf_tensorcomp.decompositions.quantize import quantize_rtn
+    from hf_tensorcomp.layers import QuantizedEmbedding, QuantizedHead
+
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch]).eval()
+    cfg = TensorCompressionConfig(method="laser", rank=8, progress=False, embedding_bits=4, embedding_group_size=16)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], quantization_config=cfg).eval()
+    emb, head = m.get_input_embeddings(), m.get_output_embeddings()
+    assert isinstance(emb, QuantizedEmbedding) and isinstance(head, QuantizedHead)
+    tied = arch != "qwen3"
+    assert head.tied is tied
+    # the table is the round-to-nearest quantization of the dense one; lookups read exactly its rows
+    want = quantize_rtn(dense.get_input_embeddings().weight, 4, 16).dequantize()
+    assert torch.equal(emb.weight, want)
+    scale = getattr(dense.get_input_embeddings(), "scalar_embed_scale", 1.0)
+    assert torch.equal(emb(ids), want[ids] * torch.tensor(scale).to(want.dtype) if scale != 1.0 else want[ids])
+    if tied:  # the head multiplies by the same codes, stored once
+        assert torch.equal(head.dense_weight(), want)
+        assert not [n for n in m.state_dict() if n.startswith("lm_head")]
+    st = m.config.quantization_config.stats
+    with torch.no_grad():
+        ref = m(ids).logits
+    m.save_pretrained(tmp_path)
+    assert st["bytes_after"] == _tensor_bytes(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(again.get_output_embeddings(), QuantizedHead) and again.get_output_embeddings().tied is tied
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ref)
+    out = again.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 7)
+
+
+def test_embedding_bits_shrink_the_model_by_the_table(tiny_dirs):
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+        method="laser", rank=8, progress=False))
+    small = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+        method="laser", rank=8, progress=False, embedding_bits=8, embedding_group_size=16))
+    v, d = plain.get_input_embeddings().weight.shape
+    saved = v * d * 4 - (v * d + v * (d // 16) * 3)  # fp32 table -> 8-bit codes + a scale and zero per group
+    assert plain.config.quantization_config.stats["bytes_after"] - small.config.quantization_config.stats["bytes_after"] == saved
+
+
+def test_embedding_bits_are_refused_twice_and_while_streaming(tiny_dirs, tmp_path):
+    cfg = dict(method="laser", rank=8, progress=False, embedding_bits=4, embedding_group_size=16)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+        **cfg, targets=["self_attn.*"]))
+    with pytest.raises(ValueError, match="embedding_bits: the embedding is quantized already"):
+        hf_tensorcomp.compress(m, TensorCompressionConfig(**{**cfg, "targets": ["mlp.*"]}))
+    with pytest.raises(ValueError, match="embedding_bits is not supported while streaming"):
+        hf_tensorcomp.compress_checkpoint(tiny_dirs["llama"], tmp_path / "out", TensorCompressionConfig(**cfg))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="embedding_bits: got 3"):
+        TensorCompressionConfig(method="laser", rank=8, embedding_bits=3)
+
+
+def test_with_calibration_the_tied_table_is_gptq_on_the_heads_inputs(tiny_dirs):
+    from hf_tensorcomp.pipeline import head_gram
+
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    cfg = TensorCompressionConfig(method="laser", rank=1.0, progress=False, embedding_bits=4, embedding_group_size=16,
+                                  calibration=calib())
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg).eval()
+    st = m.config.quantization_config.stats["modules"]["model.embed_tokens"]
+    assert st["quantizer"] == "gptq" and st["tied_head"]
+    w = dense.get_input_embeddings().weight.detach()
+    gram = head_gram(dense, dense.get_output_embeddings(), calib(), 8).double()  # full rank: the same head inputs
+
+    def out_err(q):
+        d = (w - q).double()
+        return float(torch.trace(d @ gram @ d.T))
+
+    rtn = quantize_rtn(w, 4, 16).dequantize()
+    assert out_err(m.get_input_embeddings().weight) < 0.9 * out_err(rtn)

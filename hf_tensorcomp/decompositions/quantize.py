@@ -149,6 +149,20 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: in
                    bits, group_size, (out_f, in_f))
 
 
+def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
+                    shape: tuple[int, int], rows: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Rows `rows` of a packed (n, cols) quantized matrix, de-quantized: (len(rows), cols) — an embedding
+    lookup that reads only the rows it needs. Where a row's codes do not fill whole bytes, the whole
+    matrix is de-quantized and indexed."""
+    n, cols = shape
+    if cols * bits % 8:
+        return QTensor(unpack(packed, bits), scale, zero, bits, group_size, tuple(shape)).dequantize(dtype)[rows]
+    per_row = -(-cols // group_size)
+    codes = unpack(packed.view(n, cols * bits // 8)[rows].reshape(-1), bits)
+    return QTensor(codes, scale.view(n, per_row)[rows].reshape(-1), zero.view(n, per_row)[rows].reshape(-1), bits,
+                   group_size, (rows.numel(), cols)).dequantize(dtype)
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes of `bits` bits -> bytes holding ``8 // bits`` codes each, lowest bits first."""
     per = 8 // bits
