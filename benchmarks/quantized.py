@@ -33,7 +33,7 @@ DEFAULTS = {
     "models": ["smollm2", "gemma3"],
     "rows": ["dense", "quanto_int8", "quanto_int4", "rtn4", "gptq4", "qlr4_r32", "qlr_bytes_0.27", "rtn4_r32",
              "qlr_bytes_0.33", "qlr_bytes_0.21", "laser0.6_f8", "qlr4_r16", "laser0.6_f4", "qlr4_r32_emb8",
-             "qlr4_r32_emb4"],
+             "qlr4_r32_emb4", "qlr_bytes_0.27_size", "qlr_bytes_0.27_fisher"],
     "eval_tokens": 8192,
     "calibration_samples": 32,
     "calibration_length": 256,
@@ -54,6 +54,9 @@ ROWS = {  # label -> TensorCompressionConfig fields
     "qlr_bytes_0.33": {"method": "qlr", "target_bytes": 0.33, "rounds": 1},
     "laser0.6_f8": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 8},
     "laser0.6_f4": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 4},
+    # what the byte allocation compares across matrices (qlr's allocation option; the rows above: "relative")
+    "qlr_bytes_0.27_size": {"method": "qlr", "target_bytes": 0.27, "rounds": 1, "allocation": "size"},
+    "qlr_bytes_0.27_fisher": {"method": "qlr", "target_bytes": 0.27, "rounds": 1, "allocation": "fisher"},
     # the main job with the input embedding (and the tied head with it) stored as codes too
     "qlr4_r32_emb8": {"method": "qlr", "rank": 32, "rounds": 1, "embedding_bits": 8},
     "qlr4_r32_emb4": {"method": "qlr", "rank": 32, "rounds": 1, "embedding_bits": 4},

@@ -89,6 +89,21 @@ def test_correction_is_the_whitened_closed_form_and_lowers_the_error(tiny_dirs):
     assert st["whitened_error"] < st["quant_only_error"]
 
 
+@pytest.mark.parametrize("allocation", ["relative", "size", "fisher"])
+def test_every_allocation_meets_the_byte_budget(tiny_dirs, allocation):
+    from hf_tensorcomp.decompositions.quantize import stored_bytes
+
+    m = _qlr(tiny_dirs, target_bytes=0.3, allocation=allocation)
+    mods = m.config.quantization_config.stats["modules"]
+    spent = sum(stored_bytes((v.out_features, v.in_features), st["bits"], 16) + st["rank"] * (v.in_features + v.out_features) * 2
+                for n, st in mods.items() for v in [m.get_submodule(n)])
+    dense = sum(2 * m.get_submodule(n).in_features * m.get_submodule(n).out_features for n in mods)
+    assert spent <= 0.3 * dense
+    assert spent >= 0.2 * dense  # and spends it
+    if allocation == "fisher":  # the loss itself: ranked on the dense model's output Fisher
+        assert "fisher_fallback" not in m.config.quantization_config.stats["calibration"]
+
+
 def test_full_rank_correction_is_exact(tiny_dirs):
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
     m = _qlr(tiny_dirs, rank=48, bits=2, rounds=0)
@@ -174,6 +189,7 @@ def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):
     ({"method": "qlr", "target_bytes": 1.5, "calibration": "wikipedia"}, "target_bytes"),
     ({"method": "qlr", "rank": -1, "calibration": "wikipedia"}, "rank"),
     ({"method": "qlr"}, "calibration"),
+    ({"method": "qlr", "target_bytes": 0.3, "allocation": "global", "calibration": "wikipedia"}, "allocation"),
 ])
 def test_bad_quantization_settings_name_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: got"):

@@ -13,7 +13,13 @@ Per matrix (EoRA / QERA, with LQ-LoRA's and CALDERA's alternation):
 ``target_bytes`` (instead of ``rank``): a fraction of the targeted matrices' bf16 bytes, allocated
 across all of them — bits (2, 4 or 8) and correction rank per matrix — by the same greedy rule as
 LASER's global budget, on the whitened error each setting leaves (estimated with round to nearest),
-never exceeding it. The correction costs 2 bytes a value (bf16), or ``factor_bits`` if set.
+never exceeding it. The correction costs 2 bytes a value (bf16), or ``factor_bits`` if set. What the
+rule compares across matrices (``allocation``): ``"relative"`` — each matrix's whitened error relative
+to its output energy, every matrix counting the same (a small matrix's error then weighs as much as a
+large one's, so small matrices climb to 8 bits while large ones stay at 2); ``"size"`` — that relative
+error times the matrix's parameters (a large matrix's error counts in proportion); ``"fisher"`` — the
+loss itself, ½ Σ Fisher × squared output error (needs the dense model's output Fisher, one backward
+pass; not while streaming).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from ..validation import choices, fail, is_int, is_number
 from .base import Method, register_method
 
 QUANTIZERS = ("gptq", "rtn")
+ALLOCATIONS = ("relative", "size", "fisher")
 RANK_RUNGS = (0, 8, 16, 32, 64, 128, 256)
 
 
@@ -48,7 +55,7 @@ class QuantizedLowRank(Method):
     layer_types = ("qlr",)
     remedy = "more bits or a larger rank (check the weight: a quantized finite weight is never worse than zeros)"
     option_defaults = {"bits": 4, "quantizer": "gptq", "whiten": True, "rounds": 2, "damping": 1e-4,
-                       "gptq_damping": 0.01, "target_bytes": None}
+                       "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative"}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -63,6 +70,8 @@ class QuantizedLowRank(Method):
         for key in ("damping", "gptq_damping"):
             if not is_number(o[key]) or not 0 <= o[key] <= 10:
                 fail(key, o[key], "a number in [0, 10]")
+        if o["allocation"] not in ALLOCATIONS:
+            fail("allocation", o["allocation"], choices(ALLOCATIONS) + " (what target_bytes' allocation compares)")
         t = o["target_bytes"]
         if t is not None and (not is_number(t) or not 0 < t < 1):
             fail("target_bytes", t, "None, or a float in (0, 1): the fraction of the targeted matrices' bf16 bytes kept")
@@ -88,7 +97,8 @@ class QuantizedLowRank(Method):
         return entry.options["target_bytes"] is not None
 
     def ladder_needs(self, entry):
-        return frozenset({"gram"} if entry.options["whiten"] else set())
+        return frozenset(({"gram"} if entry.options["whiten"] else set())
+                         | ({"fisher"} if entry.options["allocation"] == "fisher" else set()))
 
     def budget(self, entry) -> float:
         return entry.options["target_bytes"]
@@ -124,20 +134,28 @@ class QuantizedLowRank(Method):
         return stored_bytes((o, i), bits, entry.group_size) + rank * (i + o) * corr_bits / 8
 
     def ladder(self, name, module, stats, entry):
-        """Rungs (bits, rank) on the Pareto front of (bytes, whitened error), costs in bf16 parameters
-        (bytes / 2) so that the budget is `target_bytes` x the targeted parameters."""
+        """Rungs (bits, rank) on the Pareto front of (bytes, loss), costs in bf16 parameters (bytes / 2)
+        so that the budget is `target_bytes` x the targeted parameters; the loss as ``allocation`` says."""
         s = self._whitening(stats, entry)
+        how = entry.options["allocation"]
+        d = stats.fisher.clamp_min(0).sqrt().double() if how == "fisher" else None
         w = module.weight.detach().float()
-        ref = (w.double() @ s).pow(2).sum() if s is not None else w.double().pow(2).sum()
+
+        def weighted(m):
+            m = m.double() @ s if s is not None else m.double()
+            return m * d[:, None] if d is not None else m
+
+        if how == "fisher":
+            ref = 2.0  # the loss itself: ½ Σ Fisher x squared output error
+        else:
+            ref = float(weighted(w).pow(2).sum()) / (w.numel() if how == "size" else 1)
         points = []
         for bits in BITS:
-            e = w - quantize_rtn(w, bits, entry.group_size).dequantize()
-            ew = (e.double() @ s) if s is not None else e.double()
-            sv2 = torch.linalg.svdvals(ew).pow(2)
+            sv2 = torch.linalg.svdvals(weighted(w - quantize_rtn(w, bits, entry.group_size).dequantize())).pow(2)
             tail = sv2.flip(0).cumsum(0).flip(0).tolist() + [0.0]
             for r in RANK_RUNGS:
                 if r < min(w.shape) // 2:
-                    points.append((self._rung_bytes(module, bits, r, entry) / 2, tail[r] / float(ref), (bits, r)))
+                    points.append((self._rung_bytes(module, bits, r, entry) / 2, tail[r] / ref, (bits, r)))
         points.sort()
         front = []
         for cost, loss, setting in points:
