@@ -118,12 +118,10 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
     ladder = [m.ladder_needs(e) if m.allocates(e) else frozenset() for m, e in zip(methods, entries)]
     if not any(needs) and not any(ladder):
         return None
-    from .calibration import LayerwiseRunner, calibration_ids
+    from .calibration import LayerwiseRunner
 
     prefix, layer_list = find_decoder_layers(model)
-    ids = calibration_ids(config.calibration, calibration_tokenizer(model, config.calibration, config.calibration_tokenizer),
-                          config.calibration_samples,
-                          config.calibration_length, config.calibration_seed)
+    ids = _calibration_ids(model, config)
     vocab = model.get_input_embeddings().num_embeddings
     bad = ids[(ids < 0) | (ids >= vocab)]
     if bad.numel():
@@ -259,7 +257,7 @@ def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch
     head's inputs: the head's output error is what a 4-bit table costs (SmolLM2, 4 bits in groups of
     128: round to nearest in the head alone 1.155x dense perplexity, in the lookups alone 1.007x; GPTQ
     tied 1.058x); without, round to nearest. An untied embedding is always rounded to nearest."""
-    from .decompositions.quantize import quantize_gptq, quantize_rtn
+    from .decompositions.quantize import quantize_gptq
     from .layers import QuantizedEmbedding, QuantizedHead
 
     emb_name, head_name = _embedding_names(model)
