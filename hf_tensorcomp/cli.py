@@ -159,6 +159,8 @@ def cmd_compress(args) -> int:
     from .eval.peers import stored_bytes
 
     report = {"model": args.model, "config": cfg.to_dict()["entries"]}
+    if cfg.embedding_bits:
+        report["embedding_bits"] = cfg.embedding_bits
     if not args.no_eval:
         dense = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
         report["dense_params"] = dense.num_parameters()
@@ -228,7 +230,8 @@ def _print_report(r: dict) -> None:
         a = fmt.format(after) if after is not None else "-"
         print(f"{name:<24}{b:>16}{a:>16}{ratio:>10}")
 
-    print(f"\nhf_tensorcomp report: {r['model']}  {r['config']}")
+    emb = f"  embedding_bits={r['embedding_bits']}" if r.get("embedding_bits") else ""
+    print(f"\nhf_tensorcomp report: {r['model']}  {r['config']}{emb}")
     print(f"{'':<24}{'dense':>16}{'compressed':>16}{'ratio':>10}")
     row("parameters", r["params_before"], r["params_after"])
     row("size on disk (bytes)", r.get("dense_bytes"), r["bytes"])
