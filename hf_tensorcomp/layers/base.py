@@ -186,10 +186,10 @@ class FactorizedModule(nn.Module):
 
         Containers of shared factors override this to return None: dense mode drops them.
         """
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                        dtype=self.weight.dtype, device=self.weight.device)
+        w = self.dense_weight()
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, dtype=w.dtype, device=w.device)
         with torch.no_grad():
-            lin.weight.copy_(self.dense_weight())
+            lin.weight.copy_(w)
             if self.bias is not None:
                 lin.bias.copy_(self.bias)
         return lin

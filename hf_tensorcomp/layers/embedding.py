@@ -124,14 +124,6 @@ class QuantizedHead(FactorizedModule):
     def dense_weight(self) -> torch.Tensor:
         return (self.__dict__["_source"] or self).weight
 
-    def to_dense(self) -> nn.Module:
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, dtype=self.dense_weight().dtype)
-        with torch.no_grad():
-            lin.weight.copy_(self.dense_weight())
-            if self.bias is not None:
-                lin.bias.copy_(self.bias)
-        return lin
-
     def spec(self) -> dict:
         s = {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
              "bias": self.bias is not None}
