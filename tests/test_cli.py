@@ -149,3 +149,18 @@ def test_quanto_weight_only_names_its_bits(tiny_dirs):
 
     with pytest.raises(ValueError, match=r"quanto_weight_only: bits: got 3; allowed: 8 \| 4"):
         quanto_weight_only(AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]), 3)
+
+
+def test_embedding_bits_flag_quantizes_the_table_and_the_saved_model_reloads(tiny_with_tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_tensorcomp.layers import QuantizedEmbedding, QuantizedHead
+
+    out = tmp_path / "out"
+    assert main(["compress", str(tiny_with_tokenizer), "--rank", "4", "--targets", "mlp.*", "--embedding-bits", "8",
+                 "--out", str(out), "--no-eval", "--quiet"]) == 0
+    report = json.loads((out / "compression_report.json").read_text())
+    assert report["embedding_bits"] == 8
+    m = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(m.get_input_embeddings(), QuantizedEmbedding) and m.get_output_embeddings().tied
+    assert isinstance(m.get_output_embeddings(), QuantizedHead)
