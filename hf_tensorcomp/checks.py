@@ -16,6 +16,7 @@ from torch import nn
 from .layers import FactorizedModule
 from .layers.base import _layer_class
 from .methods import get_method
+from .layout import embedding_names
 from .plan import model_context
 
 
@@ -129,12 +130,8 @@ def _embedding_specs(model: nn.Module, config) -> dict[str, str]:
     """{module name: layer type} that ``embedding_bits`` may write: the input embedding and the output head."""
     if not getattr(config, "embedding_bits", None):
         return {}
-    names = {id(m): n for n, m in model.named_modules()}
-    out = {names[id(model.get_input_embeddings())]: "qembedding"}
-    head = model.get_output_embeddings()
-    if head is not None and id(head) in names:
-        out[names[id(head)]] = "qhead"
-    return out
+    emb, head = embedding_names(model)
+    return {n: kind for n, kind in ((emb, "qembedding"), (head, "qhead")) if n is not None}
 
 
 def check_references(model: nn.Module, names) -> None:

@@ -17,3 +17,17 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
             "hf_tensorcomp supports decoder-only transformers models such as Llama, Qwen3 and Gemma3"
         )
     return best
+
+
+def embedding_names(model: nn.Module) -> tuple[str | None, str | None]:
+    """Module names of the input embedding and of the output head (None where the model has none, or
+    where the head is not a linear layer)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return names.get(id(emb)), names.get(id(head)) if isinstance(head, nn.Linear) else None
+
+
+def set_tied_embeddings(model_config, tied: bool) -> None:
+    """``tie_word_embeddings`` on a model's config and on its text config (one object or two)."""
+    for c in {id(c): c for c in (model_config, model_config.get_text_config())}.values():
+        c.tie_word_embeddings = tied

@@ -35,6 +35,7 @@ from .calibration.data import calibration_tokenizer, describe
 from .config import TensorCompressionConfig
 from .layers import FactorizedModule
 from .methods import get_method
+from .layout import embedding_names, set_tied_embeddings
 from .plan import find_decoder_layers, model_context, plan
 from .surgery import factored_specs, set_module
 
@@ -122,11 +123,6 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
 
     prefix, layer_list = find_decoder_layers(model)
     ids = _calibration_ids(model, config)
-    vocab = model.get_input_embeddings().num_embeddings
-    bad = ids[(ids < 0) | (ids >= vocab)]
-    if bad.numel():
-        raise ValueError(f"TensorCompressionConfig.calibration: token id {int(bad[0])} is outside the model's vocabulary "
-                         f"of {vocab} ({bad.numel()} such ids); allowed: ids in [0, {vocab}), or texts")
     runner = LayerwiseRunner(model, prefix, layer_list, ids, config.calibration_batch_size,
                              states_dir=getattr(stream, "states_dir", None))
     sensitive = [n for k, names in work for n in names if "fisher" in needs[k] | ladder[k]]
@@ -205,46 +201,49 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
 
 
 def _embedding_names(model: nn.Module) -> tuple[str, str | None]:
-    """Module names of the input embedding and the output head (None: no head, or not a linear)."""
+    """`layout.embedding_names`, refusing an embedding that is quantized already or not an nn.Embedding."""
     from .layers import QuantizedEmbedding
 
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    emb = model.get_input_embeddings()
     if isinstance(emb, QuantizedEmbedding):
         raise ValueError("TensorCompressionConfig.embedding_bits: the embedding is quantized already; allowed: "
                          "embedding_bits=None when compressing a compressed model again")
     if not isinstance(emb, nn.Embedding):
         raise ValueError(f"TensorCompressionConfig.embedding_bits: the input embedding is a {type(emb).__name__}; "
                          "allowed: models whose input embedding is an nn.Embedding")
-    names = {id(m): n for n, m in model.named_modules()}
-    return names[id(emb)], names.get(id(head)) if isinstance(head, nn.Linear) else None
+    return embedding_names(model)
 
 
 def _calibration_ids(model: nn.Module, config: TensorCompressionConfig):
+    """The calibration token ids (None without calibration text), checked against the vocabulary."""
     if config.calibration is None:
         return None
     from .calibration import calibration_ids
 
-    return calibration_ids(config.calibration, calibration_tokenizer(model, config.calibration, config.calibration_tokenizer),
-                           config.calibration_samples, config.calibration_length, config.calibration_seed)
+    ids = calibration_ids(config.calibration, calibration_tokenizer(model, config.calibration, config.calibration_tokenizer),
+                          config.calibration_samples, config.calibration_length, config.calibration_seed)
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if bad.numel():
+        raise ValueError(f"TensorCompressionConfig.calibration: token id {int(bad[0])} is outside the model's vocabulary "
+                         f"of {vocab} ({bad.numel()} such ids); allowed: ids in [0, {vocab}), or texts")
+    return ids
 
 
 def head_gram(model: nn.Module, head: nn.Module, ids: torch.Tensor, batch_size: int) -> torch.Tensor:
     """XᵀX of the head's inputs (the final hidden states) over the calibration ids, one forward pass of
-    the model as it is now (its compressed layers included)."""
-    gram = torch.zeros(head.in_features, head.in_features, dtype=torch.float64)
+    the model as it is now (its compressed layers included), gathered by the calibration statistics' hooks."""
+    from .calibration.stats import StatsHooks
 
-    def hook(_, args):
-        x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-        gram.add_(x.T @ x)
-
-    handle = head.register_forward_pre_hook(hook)
+    name = next(n for n, m in model.named_modules() if m is head)
+    hooks = StatsHooks(model, {name: frozenset({"gram"})}, "")
     try:
         with torch.no_grad():
             for i in range(0, len(ids), batch_size):
                 model(ids[i: i + batch_size].to(head.weight.device))
     finally:
-        handle.remove()
-    return gram.float()
+        stats = hooks.close()
+    return stats[name].gram.float()
 
 
 def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch.Tensor | None = None,
@@ -287,8 +286,7 @@ def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch
         set_module(model, head_name, new_head)
     set_module(model, emb_name, new_emb)
     if tied:
-        for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-            cfg.tie_word_embeddings = False
+        set_tied_embeddings(model.config, False)
         model.all_tied_weights_keys = {}
     return out
 

@@ -360,3 +360,11 @@ def test_with_calibration_the_tied_table_is_gptq_on_the_heads_inputs(tiny_dirs):
 
     rtn = quantize_rtn(w, 4, 16).dequantize()
     assert out_err(m.get_input_embeddings().weight) < 0.9 * out_err(rtn)
+
+
+def test_embedding_step_checks_calibration_ids_against_the_vocabulary(tiny_dirs):
+    bad = torch.full((2, 16), VOCAB + 5)  # no method here needs calibration: the embedding step alone reads it
+    cfg = TensorCompressionConfig(method="laser", rank=8, progress=False, embedding_bits=8, embedding_group_size=16,
+                                  calibration=bad, calibration_length=15)
+    with pytest.raises(ValueError, match=r"calibration: token id \d+ is outside the model's vocabulary"):
+        AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)

@@ -25,6 +25,7 @@ import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as _LoraLinear
 
+from ..layout import set_tied_embeddings
 from ..layers import (EinSortLinear, HeadTuckerProjection, LowRankLinear, QuantizedEmbedding, QuantizedHead, QuantizedLowRankLinear,
                       TensorSlice)
 
@@ -121,9 +122,9 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None) -> tuple[str, str]:
     for key in ("quantization_config",):
         if hasattr(plain_cfg, key):
             delattr(plain_cfg, key)
-    if any(getattr(m, "tied", False) for m in model.modules()):  # a tied quantized head: tied again in the plain base
-        for c in {id(c): c for c in (plain_cfg, plain_cfg.get_text_config())}.values():
-            c.tie_word_embeddings = True
+    tables = {n: m for n, m in model.named_modules() if isinstance(m, (QuantizedEmbedding, QuantizedHead))}
+    if any(getattr(m, "tied", False) for m in tables.values()):  # a tied quantized head: tied again in the plain base
+        set_tied_embeddings(plain_cfg, True)
     base = type(model)(plain_cfg)
     dtype = dtype or next(model.parameters()).dtype
     state, ranks, factors = {}, {}, {}
@@ -136,7 +137,6 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None) -> tuple[str, str]:
             state[f"{name}.bias"] = m.bias.detach()
         if m.rank:
             ranks[name], factors[name] = m.rank, (m.lora_A.detach(), m.lora_B.detach())
-    tables = {n: m for n, m in model.named_modules() if isinstance(m, (QuantizedEmbedding, QuantizedHead))}
     for name, m in tables.items():  # embedding_bits: the de-quantized tables, the tie restored the transformers way
         if not getattr(m, "tied", False):
             state[f"{name}.weight"] = m.weight.detach()
