@@ -49,11 +49,15 @@ def check_outputs(result: dict[str, tuple[nn.Module, dict]], modules: dict[str, 
         if name not in modules:  # a container of factors shared by the unit's modules
             where += f" (the factors shared by {', '.join(f'{prefix}.{n}' for n in modules)})"
         bad = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if _non_finite(t)]
-        err = stats.get("rel_error")
+        # a fit to the output error on the calibration inputs (whitened) is judged by that error: a 2-bit GPTQ
+        # weight may lie farther from W than zeros do and still give outputs much closer than zeros give
+        whitened = stats.get("whitened_error") is not None
+        err = stats["whitened_error"] if whitened else stats.get("rel_error")
         if bad:
             what = f"its factors ({', '.join(bad)}) hold NaN/Inf"
         elif err is None or not err < 1.0:  # also NaN
-            what = (f"its relative error is {err} (>= 1: worse than replacing the weight by zeros)")
+            what = (f"its relative {'output error on the calibration inputs' if whitened else 'error'} is {err} "
+                    "(>= 1: worse than replacing the weight by zeros)")
         else:
             continue
         raise ValueError(f"hf_tensorcomp: compressing {where} with {_setting(entry)} failed: {what}; nothing "

@@ -365,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mode", default="factorized", choices=["factorized", "dense"])
     c.add_argument("--option", type=_option, action="append",
                    help="method option KEY=VALUE (repeatable); each method's options: hf-tensorcomp methods METHOD")
-    c.add_argument("--embedding-bits", type=int, default=None, choices=[4, 8],
-                   help="also store the input embedding and the (tied) head as 8- or 4-bit codes")
+    c.add_argument("--embedding-bits", type=lambda v: v if v == "auto" else int(v), default=None, choices=[4, 8, "auto"],
+                   help="also store the input embedding and the (tied) head as 8- or 4-bit codes; 'auto': chosen "
+                        "by qlr's target_bytes budget, which then holds the table too")
     c.add_argument("--recipe", default=None, help="JSON file of compress options (see recipes/)")
     c.add_argument("--out", required=True, help="output folder (written atomically)")
     c.add_argument("--overwrite", action="store_true")

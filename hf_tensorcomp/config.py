@@ -118,7 +118,11 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         embedding_bits: None (default: the input embedding and the head stay as they are) | 8 | 4: store
             them as integer codes (round to nearest, a float16 scale and an integer zero point per group of
             ``embedding_group_size`` values along each token's row); a tied head stays tied, reading the
-            embedding's codes (`hf_tensorcomp.layers.QuantizedEmbedding` / `QuantizedHead`).
+            embedding's codes (`hf_tensorcomp.layers.QuantizedEmbedding` / `QuantizedHead`). With a byte
+            budget (``method="qlr", target_bytes=``) the table is inside it: ``target_bytes`` is then a
+            fraction of the bf16 bytes of the targeted matrices *and* the table (an untied head counted
+            too), the table's bytes coming off first; ``"auto"``: that budget chooses 4 or 8 bits for the
+            table, weighing its error in the output head against the linears' by the entry's ``allocation`` rule.
         **options: method-specific options (each method lists and validates its own).
     """
 
@@ -194,9 +198,13 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         from .healing import validate_heal
 
         self.heal = validate_heal(heal)
-        if embedding_bits not in FACTOR_BITS or isinstance(embedding_bits, bool):
+        if (embedding_bits not in FACTOR_BITS and embedding_bits != "auto") or isinstance(embedding_bits, bool):
             fail("embedding_bits", embedding_bits, "None (embedding and head as they are) | 8 | 4 (integer codes per group "
-                 "of embedding_group_size values)")
+                 "of embedding_group_size values) | 'auto' (4 or 8, chosen by a target_bytes budget)")
+        if embedding_bits == "auto" and not compressed_modules and not any(
+                getattr(get_method(e.method), "byte_budget", False) and get_method(e.method).allocates(e) for e in self.entries):
+            fail("embedding_bits", embedding_bits, "8 | 4, or 'auto' with a byte budget that allocates it (method='qlr' "
+                 "with target_bytes=)")
         if not is_int(embedding_group_size, 16) or embedding_group_size > 8192:
             fail("embedding_group_size", embedding_group_size, "an int in [16, 8192]")
         self.embedding_bits, self.embedding_group_size = embedding_bits, embedding_group_size

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from . import checks
 from .calibration.data import calibration_tokenizer, describe
 from .config import TensorCompressionConfig
+from .decompositions.quantize import stored_bytes
 from .layers import FactorizedModule
 from .methods import get_method
 from .layout import embedding_names, set_tied_embeddings
@@ -86,7 +87,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
     model.eval()  # calibration and statistics without dropout; trainers set their own mode
     try:
         runner = calibrate(model, config, work, methods, stream)  # 2. calibrate
-        allocation = allocate(config, work, methods, layer_list, runner, stream)  # 3. allocate
+        allocation = allocate(config, work, methods, layer_list, runner, stream, model)  # 3. allocate
         module_stats = compress_units(model, config, work, methods, runner, allocation, stream)  # 4. compress + check
         finished = {}
         ctx = model_context(model)
@@ -96,7 +97,8 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
                 finished[str(k)] = done
         if config.embedding_bits:
             ids = runner.ids if runner is not None else _calibration_ids(model, config)
-            module_stats.update(quantize_embeddings(model, config.embedding_bits, config.embedding_group_size, ids,
+            bits = next((a["embedding_bits"] for a in allocation.values() if "embedding_bits" in a), config.embedding_bits)
+            module_stats.update(quantize_embeddings(model, bits, config.embedding_group_size, ids,
                                                     config.calibration_batch_size))
     finally:
         model.train(was_training)
@@ -131,10 +133,16 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
         raise ValueError("compress_checkpoint: Fisher weighting, a Fisher-weighted global allocation and weight "
                          "gradients need a backward pass of the whole dense model, which streaming never holds; "
                          "allowed: weighting=None with allocation='relative' | 'uniform', or compress in memory")
-    if sensitive:  # one backward pass of the dense model, before anything changes
+    k_table = _table_entry(config, methods)
+    head = {}
+    if k_table is not None and "fisher" in ladder[k_table]:  # the table's rungs are weighed by the head's Fisher
+        head_name = embedding_names(model)[1]
+        head = {head_name: model.get_submodule(head_name)} if head_name else {}
+    if sensitive or head:  # one backward pass of the dense model, before anything changes
         from .calibration.sensitivity import output_fisher
 
-        runner.fisher, runner.fisher_fallback = output_fisher(model, layer_list, sensitive, runner.ids, prefix)
+        runner.fisher, runner.fisher_fallback = output_fisher(model, layer_list, sensitive, runner.ids, prefix,
+                                                              extra=head)
     if graded:  # the loss gradient of the dense model's weights, before anything changes
         from .calibration.sensitivity import weight_gradients
 
@@ -348,8 +356,49 @@ def _by_layer(kinds: dict[str, frozenset]) -> dict[int, dict[str, frozenset]]:
     return out
 
 
-def allocate(config, work, methods, layer_list, runner, stream=None) -> dict[int, dict]:
-    """Stage 3: per entry with a global `target`, the rung of every module's ladder, meeting the budget."""
+TABLE_BITS = (4, 8)  # the rungs of ``embedding_bits="auto"``
+
+
+def _table_entry(config, methods) -> int | None:
+    """The entry whose byte budget holds the embedding table (with ``embedding_bits``: the first entry
+    with a byte budget, e.g. ``qlr`` with ``target_bytes``), or None."""
+    if not config.embedding_bits:
+        return None
+    return next((k for k, (m, e) in enumerate(zip(methods, config.entries))
+                 if getattr(m, "byte_budget", False) and m.allocates(e)), None)
+
+
+def _table_ladder(model, config, m, entry, runner) -> tuple[str, tuple[list, list], int]:
+    """(key, (costs, losses), parameters) of the embedding table in a byte budget: one rung at fixed
+    ``embedding_bits``; with ``"auto"`` the rungs 4 and 8 bits, their loss that of the output head (the
+    table's error where it costs, see `quantize_embeddings`) by the entry's own rule, on the dense
+    model's head inputs and output Fisher. An untied head is counted as a second table at the same bits."""
+    from .calibration.stats import ModuleStats
+
+    emb_name, head_name = _embedding_names(model)
+    emb = model.get_submodule(emb_name)
+    head = model.get_submodule(head_name) if head_name else None
+    copies = 1 if head is None or head.weight is emb.weight else 2
+    params = copies * emb.weight.numel()
+    if config.embedding_bits != "auto":
+        cost = copies * stored_bytes(tuple(emb.weight.shape), config.embedding_bits, config.embedding_group_size) / 2
+        entry.__dict__.setdefault("_rungs", {})[emb_name] = [(config.embedding_bits, 0)]
+        return emb_name, ([cost], [0.0]), params
+    if head is None:
+        raise ValueError("TensorCompressionConfig.embedding_bits: 'auto' weighs the table by the output head's error, and "
+                         "this model has no linear output head; allowed: embedding_bits=8 | 4")
+    stats = ModuleStats(frozenset())
+    if entry.options.get("whiten"):
+        stats.gram = head_gram(model, head, runner.ids, config.calibration_batch_size)
+    stats.fisher = (getattr(runner, "fisher", None) or {}).get(head_name)
+    ladder = m.ladder(emb_name, head, stats, entry, bits=TABLE_BITS, ranks=(0,), group_size=config.embedding_group_size,
+                      copies=copies)
+    return emb_name, ladder, params
+
+
+def allocate(config, work, methods, layer_list, runner, stream=None, model=None) -> dict[int, dict]:
+    """Stage 3: per entry with a global `target`, the rung of every module's ladder, meeting the budget.
+    With ``embedding_bits``, a byte budget (`_table_entry`) holds the embedding table too."""
     from .decompositions.allocation import allocate as allocate_rungs
 
     out = {}
@@ -379,15 +428,22 @@ def allocate(config, work, methods, layer_list, runner, stream=None) -> dict[int
                                  "calibration= (its allocation pass streams the layers), or rank=")
             ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry) for n in names}
         total = sum(layer_list.get_submodule(n).weight.numel() for n in names)
+        table = None
+        if k == _table_entry(config, methods):
+            table, ladders[table], params = _table_ladder(model, config, m, entry, runner)
+            total += params
         budget = m.budget(entry) * total
         try:
             rungs = allocate_rungs(ladders, budget)
         except ValueError as e:
             raise ValueError(f"TensorCompressionConfig.target: got {m.budget(entry)}; {e}; allowed: a larger target") from None
         spent = sum(ladders[n][0][j] for n, j in rungs.items())
-        out[k] = {"rungs": rungs, "target": m.budget(entry), "params_targeted": total, "params_kept": spent,
-                  "kept_fraction": round(spent / total, 6),
-                  "kept_dense": sorted(f"{n}" for n, j in rungs.items() if j == len(ladders[n][0]) - 1)}
+        out[k] = {"target": m.budget(entry), "params_targeted": total, "params_kept": spent,
+                  "kept_fraction": round(spent / total, 6)}
+        if table is not None:
+            out[k]["embedding_bits"] = entry.__dict__["_rungs"][table][rungs.pop(table)][0]
+        out[k]["rungs"] = rungs
+        out[k]["kept_dense"] = sorted(f"{n}" for n, j in rungs.items() if j == len(ladders[n][0]) - 1)
     return out
 
 

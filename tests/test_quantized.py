@@ -368,3 +368,75 @@ def test_embedding_step_checks_calibration_ids_against_the_vocabulary(tiny_dirs)
                                   calibration=bad, calibration_length=15)
     with pytest.raises(ValueError, match=r"calibration: token id \d+ is outside the model's vocabulary"):
         AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
+
+
+def _spent(m, group, table_group):
+    """Bytes the byte budget counts: qlr layers (codes + correction at bf16) and the embedding table
+    (counted twice when the head is untied)."""
+    mods = m.config.quantization_config.stats["modules"]
+    spent = dense = 0
+    for n, st in mods.items():
+        if st.get("method") == "embedding":
+            continue
+        v = m.get_submodule(n)
+        spent += stored_bytes((v.out_features, v.in_features), st["bits"], group) + st["rank"] * (v.in_features + v.out_features) * 2
+        dense += 2 * v.in_features * v.out_features
+    emb = m.get_input_embeddings()
+    copies = 1 if m.get_output_embeddings().tied else 2
+    bits = emb.__dict__["_qfactors"]["weight"][0]
+    spent += copies * stored_bytes((emb.num_embeddings, emb.embedding_dim), bits, table_group)
+    dense += copies * 2 * emb.num_embeddings * emb.embedding_dim
+    return spent, dense, bits
+
+
+@pytest.mark.parametrize("arch, embedding_bits", [("llama", 8), ("llama", "auto"), ("qwen3", "auto")])  # tied, untied
+def test_with_embedding_bits_the_byte_budget_holds_the_table(tiny_dirs, tmp_path, ids, arch, embedding_bits):
+    cfg = TensorCompressionConfig(method="qlr", target_bytes=0.4, calibration=calib(), progress=False, group_size=16,
+                                  embedding_bits=embedding_bits, embedding_group_size=16, allocation="fisher")
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], quantization_config=cfg).eval()
+    spent, dense, bits = _spent(m, 16, 16)
+    assert 0.3 * dense <= spent <= 0.4 * dense  # the table is inside the budget, which is spent
+    alloc = m.config.quantization_config.stats["allocation"]["0"]
+    assert alloc["embedding_bits"] == bits and bits in ((8,) if embedding_bits == 8 else (4, 8))
+    assert alloc["params_targeted"] * 2 == dense
+    # without the table in it, the same target gives the linears more bytes
+    alone = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], quantization_config=TensorCompressionConfig(
+        method="qlr", target_bytes=0.4, calibration=calib(), progress=False, group_size=16, allocation="fisher"))
+    linears = lambda mm: sum(st["bits"] * 1000 + st["rank"] for st in mm.config.quantization_config.stats["modules"].values()
+                             if st.get("method") != "embedding")
+    assert linears(alone) > linears(m)
+    with torch.no_grad():
+        ref = m(ids).logits
+    m.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ref)
+
+
+def test_auto_table_bits_follow_the_budget(tiny_dirs):
+    def bits(target):
+        cfg = TensorCompressionConfig(method="qlr", target_bytes=target, calibration=calib(), progress=False,
+                                      group_size=16, embedding_bits="auto", embedding_group_size=16)
+        m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
+        return m.config.quantization_config.stats["allocation"]["0"]["embedding_bits"]
+
+    assert bits(0.9) == 8  # room for everything: the table takes its better rung
+
+
+@pytest.mark.parametrize("kw", [{"method": "qlr", "rank": 8}, {"method": "laser", "target": 0.5}])
+def test_auto_table_bits_need_a_byte_budget(kw):
+    with pytest.raises(ValueError, match="embedding_bits: got 'auto'.*target_bytes"):
+        TensorCompressionConfig(calibration="wikipedia", embedding_bits="auto", **kw)
+
+
+def test_a_whitened_fit_is_judged_by_its_output_error():
+    from hf_tensorcomp.checks import check_outputs
+
+    lin = torch.nn.Linear(4, 4)
+    entry = TensorCompressionConfig(method="qlr", rank=0, calibration="wikipedia").entries[0]
+    # 2-bit GPTQ may sit farther from W than zeros do and still give outputs far closer than zeros give
+    check_outputs({"a": (lin, {"rel_error": 1.3, "whitened_error": 0.6})}, {"a": lin}, "p", entry, "more bits")
+    with pytest.raises(ValueError, match="relative output error on the calibration inputs is 1.2"):
+        check_outputs({"a": (lin, {"rel_error": 0.5, "whitened_error": 1.2})}, {"a": lin}, "p", entry, "more bits")
+    with pytest.raises(ValueError, match="its relative error is 1.1"):
+        check_outputs({"a": (lin, {"rel_error": 1.1, "whitened_error": None})}, {"a": lin}, "p", entry, "more bits")

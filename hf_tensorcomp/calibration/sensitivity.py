@@ -16,15 +16,19 @@ from torch import nn
 
 
 def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str], ids: torch.Tensor,
-                  prefix: str = "layers", batch_size: int = 2) -> tuple[dict[str, torch.Tensor], list[str]]:
+                  prefix: str = "layers", batch_size: int = 2,
+                  extra: dict[str, nn.Module] | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
     """``({name: f_m}, fallback)``: float64 vectors over output channels for modules named relative to
     the decoder-layer list (``"3.mlp.down_proj"``), and the full names of the modules that fell back.
+    `extra`: more modules, outside the decoder layers (the output head), under the names given.
 
     Fallback: a module whose outputs get no gradient at all on this data (its output does not reach
     the loss, e.g. behind a zeroed projection) would weigh every error by zero and divide by zero in
     the allocation; it gets the mean Fisher of the other modules on every channel instead (its error
     counts like an average module's), with a warning. If no module gets a gradient: a ValueError.
     """
+    modules = {n: layer_list.get_submodule(n) for n in names} | dict(extra or {})
+    names = list(modules)
     acc = {n: 0.0 for n in names}
     count = {n: 0 for n in names}
     handles = []
@@ -40,7 +44,7 @@ def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str],
         return hook
 
     for n in names:
-        handles.append(layer_list.get_submodule(n).register_forward_hook(hook_for(n)))
+        handles.append(modules[n].register_forward_hook(hook_for(n)))
     emb = model.get_input_embeddings()
     handles.append(emb.register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
     try:
@@ -56,11 +60,11 @@ def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str],
         raise ValueError("TensorCompressionConfig.weighting: the loss gradient of every targeted module's output is zero on "
                          "the calibration data; allowed: other calibration data, or weighting=None with allocation='relative'")
     mean = float(sum(f.mean() for f in fisher.values()) / len(fisher))
-    full = [f"{prefix}.{n}" for n in zero]
+    full = [n if n in (extra or {}) else f"{prefix}.{n}" for n in zero]
     warnings.warn(f"hf_tensorcomp: Fisher weighting: the outputs of {full} get no loss gradient on the calibration data; "
                   "they are weighted by the mean Fisher of the other modules instead", stacklevel=2)
     for n in zero:
-        fisher[n] = torch.full((layer_list.get_submodule(n).weight.shape[0],), mean, dtype=torch.float64)
+        fisher[n] = torch.full((modules[n].weight.shape[0],), mean, dtype=torch.float64)
     return fisher, full
 
 

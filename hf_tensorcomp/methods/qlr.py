@@ -48,6 +48,7 @@ def _error(w: torch.Tensor, approx: torch.Tensor, s: torch.Tensor | None) -> flo
 @register_method
 class QuantizedLowRank(Method):
     name = "qlr"
+    byte_budget = True  # target_bytes counts bytes: with embedding_bits, the embedding table joins the budget
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 32
     supports_target = True
@@ -128,34 +129,44 @@ class QuantizedLowRank(Method):
             b, a, _ = whitened_svd(w - q.dequantize(), rank, s)
         return q, a, b
 
-    def _rung_bytes(self, lin, bits, rank, entry) -> float:
+    def _rung_bytes(self, lin, bits, rank, entry, group_size=None) -> float:
         i, o = lin.in_features, lin.out_features
         corr_bits = entry.factor_bits or 16
-        return stored_bytes((o, i), bits, entry.group_size) + rank * (i + o) * corr_bits / 8
+        return stored_bytes((o, i), bits, group_size or entry.group_size) + rank * (i + o) * corr_bits / 8
 
-    def ladder(self, name, module, stats, entry):
+    def ladder(self, name, module, stats, entry, bits=BITS, ranks=RANK_RUNGS, group_size=None, copies=1):
         """Rungs (bits, rank) on the Pareto front of (bytes, loss), costs in bf16 parameters (bytes / 2)
-        so that the budget is `target_bytes` x the targeted parameters; the loss as ``allocation`` says."""
+        so that the budget is `target_bytes` x the targeted parameters; the loss as ``allocation`` says.
+        `bits`, `ranks`, `group_size` narrow the rungs (the embedding table: its own group size, no
+        correction); `copies`: how many times the matrix is stored (an untied head beside its table)."""
+        group_size = group_size or entry.group_size
         s = self._whitening(stats, entry)
         how = entry.options["allocation"]
         d = stats.fisher.clamp_min(0).sqrt().double() if how == "fisher" else None
         w = module.weight.detach().float()
 
-        def weighted(m):
-            m = m.double() @ s if s is not None else m.double()
-            return m * d[:, None] if d is not None else m
+        def weighted(m, rows=slice(None)):
+            m = m[rows].double() @ s if s is not None else m[rows].double()
+            return m * d[rows, None] if d is not None else m
+
+        def energy(m, step=8192):  # ‖weighted(m)‖², a block of rows at a time (a vocabulary-sized table)
+            return sum(float(weighted(m, slice(i, i + step)).pow(2).sum()) for i in range(0, m.shape[0], step))
 
         if how == "fisher":
             ref = 2.0  # the loss itself: ½ Σ Fisher x squared output error
         else:
-            ref = float(weighted(w).pow(2).sum()) / (w.numel() if how == "size" else 1)
+            ref = energy(w) / (w.numel() if how == "size" else 1)
         points = []
-        for bits in BITS:
-            sv2 = torch.linalg.svdvals(weighted(w - quantize_rtn(w, bits, entry.group_size).dequantize())).pow(2)
-            tail = sv2.flip(0).cumsum(0).flip(0).tolist() + [0.0]
-            for r in RANK_RUNGS:
-                if r < min(w.shape) // 2:
-                    points.append((self._rung_bytes(module, bits, r, entry) / 2, tail[r] / ref, (bits, r)))
+        for b in bits:
+            err = w - quantize_rtn(w, b, group_size).dequantize()
+            if any(ranks):
+                tail = torch.linalg.svdvals(weighted(err)).pow(2).flip(0).cumsum(0).flip(0).tolist() + [0.0]
+            else:  # no correction: the whole error, no SVD
+                tail = [energy(err)]
+            del err
+            for r in ranks:
+                if r == 0 or r < min(w.shape) // 2:
+                    points.append((copies * self._rung_bytes(module, b, r, entry, group_size) / 2, tail[r] / ref, (b, r)))
         points.sort()
         front = []
         for cost, loss, setting in points:
