@@ -36,9 +36,14 @@ ROWS = {
     "laser0.6": {"method": "laser", "target": 0.6, "whiten": True, "weighting": "fisher", "targets": ["*_proj"]},
     "qlr_bytes_0.27": {"method": "qlr", "target_bytes": 0.27, "group_size": 128},
     "qlr4_r32": {"method": "qlr", "bits": 4, "group_size": 128, "rank": 32},  # the README's main job
+    # the attention's q,k,v,o at 0.8 of their parameters, whitened (the calibrated benchmark's best settings)
+    "tensorllm_attn0.8": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "target": 0.8},
+    "trawl_attn0.8": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True, "target": 0.8},
 }
 ROWS["laser0.8_256w"], ROWS["laser0.6_256w"] = ROWS["laser0.8"], ROWS["laser0.6"]
-HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples": 256}}  # row -> its own healing settings
+ROWS["laser0.8_layerwise"], ROWS["laser0.8_both"] = ROWS["laser0.8"], ROWS["laser0.8"]
+HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples": 256},  # row -> its own healing settings
+                  "laser0.8_layerwise": {"mode": "layerwise"}, "laser0.8_both": {"mode": "both"}}
 
 
 def _one(job: dict, q) -> None:

@@ -60,6 +60,11 @@ ROWS = {  # label -> TensorCompressionConfig fields
     # the main job with the input embedding (and the tied head with it) stored as codes too
     "qlr4_r32_emb8": {"method": "qlr", "rank": 32, "rounds": 1, "embedding_bits": 8},
     "qlr4_r32_emb4": {"method": "qlr", "rank": 32, "rounds": 1, "embedding_bits": 4},
+    # one byte budget over the linears *and* the embedding table, whose bits (4 or 8) it chooses
+    "qlr_bytes_0.30_embauto_fisher": {"method": "qlr", "target_bytes": 0.30, "rounds": 1, "allocation": "fisher",
+                                      "embedding_bits": "auto"},
+    "qlr_bytes_0.30_embauto_size": {"method": "qlr", "target_bytes": 0.30, "rounds": 1, "allocation": "size",
+                                    "embedding_bits": "auto"},
 }
 
 
@@ -157,6 +162,7 @@ def _one(job: dict, q) -> None:
         mods = st["modules"].values()
         row["bits"] = sorted({m["bits"] for m in mods if "bits" in m})
         row["mean_rank"] = round(sum(m.get("rank", 0) for m in mods) / max(len(mods), 1), 1)
+        row["embedding_bits"] = next((m["bits"] for m in mods if m.get("method") == "embedding"), None)
     row["compress_s"] = round(time.perf_counter() - t0, 1)
     model.eval()
     stored, dense = _linear_bytes(model)
@@ -194,7 +200,7 @@ def report(rows: list[dict]) -> str:
         out.append(f"### {model} (dense perplexity: Wikipedia {dense['ppl_wikipedia']:.2f}, OpenWebText {dense['ppl_owt']:.2f})\n")
         out.append(markdown_table(sorted(rs, key=lambda r: r["linear_bytes"]), [
             ("row", "row", "{}"), ("bits", "bits", "{}"), ("mean_rank", "mean rank", "{}"),
-            ("linear_bytes", "linear bytes vs bf16", "{:.3f}"), ("model_ratio", "model bytes vs bf16", "{:.3f}"),
+            ("embedding_bits", "table bits", "{}"), ("linear_bytes", "linear bytes vs bf16", "{:.3f}"), ("model_ratio", "model bytes vs bf16", "{:.3f}"),
             ("x_wikipedia", "ppl vs dense, Wikipedia", "{:.3f}x"), ("x_owt", "ppl vs dense, OpenWebText", "{:.3f}x"),
             ("wikihow", "wikihow acc", "{:.3f}"), ("wikihow_se", "± se", "{:.3f}"),
             ("speed", "decode vs dense", "{:.2f}x"), ("compress_s", "compress s", "{:.0f}"),

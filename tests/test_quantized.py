@@ -399,6 +399,8 @@ def test_with_embedding_bits_the_byte_budget_holds_the_table(tiny_dirs, tmp_path
     alloc = m.config.quantization_config.stats["allocation"]["0"]
     assert alloc["embedding_bits"] == bits and bits in ((8,) if embedding_bits == 8 else (4, 8))
     assert alloc["params_targeted"] * 2 == dense
+    card = hf_tensorcomp.model_card(m)  # the card says what the budget chose
+    assert f"the embedding table inside it at {bits} bits" in card and f"{bits} (embedding) ×" in card
     # without the table in it, the same target gives the linears more bytes
     alone = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], quantization_config=TensorCompressionConfig(
         method="qlr", target_bytes=0.4, calibration=calib(), progress=False, group_size=16, allocation="fisher"))

@@ -12,6 +12,7 @@ import os
 from huggingface_hub import HfApi
 
 from ..config import TensorCompressionConfig
+from ..methods import get_method
 
 INSTALL_NOTE = (
     "This checkpoint stores compressed factors, not dense weights. Loading it needs the `hf_tensorcomp` "
@@ -95,8 +96,21 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
                      f"| {', '.join(e.targets)} | {_layers(e, st, model.config.get_text_config().num_hidden_layers)} | {e.mode} | {_options(e) or ''} |")
     if st:
         for k, a in st.get("allocation", {}).items():
-            lines.append(f"\nEntry {k}: target {a['target']} of {a['params_targeted']:,} parameters, kept "
-                         f"{a['params_kept']:,} ({a['kept_fraction']}); {len(a['kept_dense'])} matrices left dense.")
+            if "embedding_bits" in a or getattr(get_method(cfg.entries[int(k)].method), "byte_budget", False):
+                lines.append(f"\nEntry {k}: target_bytes {a['target']} of the bf16 bytes of {a['params_targeted']:,} "
+                             f"parameters, spent {a['kept_fraction']}"
+                             + (f", the embedding table inside it at {a['embedding_bits']} bits." if "embedding_bits" in a
+                                else "."))
+            else:
+                lines.append(f"\nEntry {k}: target {a['target']} of {a['params_targeted']:,} parameters, kept "
+                             f"{a['params_kept']:,} ({a['kept_fraction']}); {len(a['kept_dense'])} matrices left dense.")
+        bits: dict[str, int] = {}
+        for m in st.get("modules", {}).values():
+            if "bits" in m:
+                key = f"{m['bits']} (embedding)" if m.get("method") == "embedding" else str(m["bits"])
+                bits[key] = bits.get(key, 0) + 1
+        if bits:
+            lines.append("\nBits per stored matrix: " + ", ".join(f"{b} ×{n}" for b, n in sorted(bits.items())) + ".")
         before, after = st.get("params_before"), st.get("params_after")
         lines += ["", f"- parameters: {before:,} → {after:,} ({after / before:.3f} of the original)",
                   *([f"- bytes stored: {st['bytes_before']:,} → {st['bytes_after']:,} "
