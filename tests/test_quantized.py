@@ -427,6 +427,7 @@ def test_auto_table_bits_follow_the_budget(tiny_dirs):
 
 @pytest.mark.parametrize("kw", [{"method": "qlr", "rank": 8}, {"method": "laser", "target": 0.5}])
 def test_auto_table_bits_need_a_byte_budget(kw):
+    """'auto' without a budget to choose it is refused up front."""
     with pytest.raises(ValueError, match="embedding_bits: got 'auto'.*target_bytes"):
         TensorCompressionConfig(calibration="wikipedia", embedding_bits="auto", **kw)
 
@@ -442,3 +443,10 @@ def test_a_whitened_fit_is_judged_by_its_output_error():
         check_outputs({"a": (lin, {"rel_error": 0.5, "whitened_error": 1.2})}, {"a": lin}, "p", entry, "more bits")
     with pytest.raises(ValueError, match="its relative error is 1.1"):
         check_outputs({"a": (lin, {"rel_error": 1.1, "whitened_error": None})}, {"a": lin}, "p", entry, "more bits")
+
+
+def test_a_budget_the_table_alone_exceeds_names_the_field(tiny_dirs):
+    cfg = TensorCompressionConfig(method="qlr", target_bytes=0.05, calibration=calib(), progress=False, group_size=16,
+                                  embedding_bits=8, embedding_group_size=16)
+    with pytest.raises(ValueError, match=r"target_bytes: got 0.05; .*embedding table.*allowed: a larger target_bytes"):
+        AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
