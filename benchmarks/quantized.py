@@ -70,7 +70,9 @@ ROWS = {  # label -> TensorCompressionConfig fields
 
 def _linear_bytes(model) -> tuple[int, int]:
     """(stored bytes, bf16 bytes) of the decoder layers' linears: float tensors counted at bf16 (the model
-    as shipped), integer codes and float16 scales as stored; quanto weights by their bits and scales."""
+    as shipped), integer codes and float16 scales as stored; quanto weights by their bits and scales.
+    Factors shared by several projections (TensorLLM's, TRAWL's) sit in a container module of their own,
+    counted as stored."""
     import torch
 
     from hf_tensorcomp.layers import FactorizedModule
@@ -79,8 +81,9 @@ def _linear_bytes(model) -> tuple[int, int]:
     _, layers = find_decoder_layers(model)
     stored = dense = 0
     for m in layers.modules():
-        if isinstance(m, FactorizedModule) and hasattr(m, "in_features"):
-            dense += m.in_features * m.out_features * 2
+        if isinstance(m, FactorizedModule):
+            if hasattr(m, "in_features"):
+                dense += m.in_features * m.out_features * 2
             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
                 stored += t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
         elif isinstance(m, torch.nn.Linear):

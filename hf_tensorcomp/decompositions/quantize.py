@@ -95,23 +95,53 @@ def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) 
     return (w / scale[:, None]).round().add(zero[:, None]).clamp(0, 2**bits - 1)
 
 
-def quantize_rtn(w: torch.Tensor, bits: int, group_size: int) -> QTensor:
-    """Round to nearest on the min-max grid of each group (the plain quantizer)."""
+GRIDS = ("minmax", "search")
+SHRINKS = torch.linspace(1.0, 0.8, 21).tolist()  # the range factors ``grid="search"`` tries
+
+
+def _search_grid(w: torch.Tensor, bits: int, norm: float = 2.4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `w`: the grid of the min-max range shrunk by the factor in `SHRINKS` whose round-trip
+    error Σ |w - q(w)|^norm is least (GPTQ's reference ``mse`` grid: clipping a few outliers buys a finer
+    step for the rest; the same 2.4-norm). Values outside the shrunk range are clipped, so the round-trip
+    bound of `_grid` (half a step) no longer holds for them."""
+    best = None
+    for f in SHRINKS:
+        scale, zero = _grid(w * f, bits)
+        err = ((_codes(w, scale, zero, bits) - zero[:, None]) * scale[:, None] - w).abs().pow(norm).sum(1)
+        if best is None:
+            best = [err, scale, zero]
+        else:
+            better = err < best[0]
+            best = [torch.where(better, a, b) for a, b in zip((err, scale, zero), best)]
+    return best[1], best[2]
+
+
+def grid_for(w: torch.Tensor, bits: int, grid: str = "minmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and integer zero point per row of `w` (groups x group_size): ``"minmax"`` (every value within
+    half a step) or ``"search"`` (`_search_grid`)."""
+    if grid not in GRIDS:
+        raise ValueError(f"grid: got {grid!r}; allowed: {' | '.join(map(repr, GRIDS))}")
+    return _grid(w, bits) if grid == "minmax" else _search_grid(w, bits)
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, grid: str = "minmax") -> QTensor:
+    """Round to nearest on each group's grid (`grid_for`; min-max: the plain quantizer)."""
     if bits not in BITS:
         raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
     groups = _groups(w.detach().float(), group_size)
-    scale, zero = _grid(groups, bits)
+    scale, zero = grid_for(groups, bits, grid)
     rows, cols = _rows_cols(tuple(w.shape))
     codes = _codes(groups, scale, zero, bits).view(rows, -1)[:, :cols]
     return QTensor(codes.to(torch.uint8).reshape(-1), scale.half(), zero.to(torch.uint8), bits, group_size, tuple(w.shape))
 
 
-def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: int, damping: float = 0.01) -> QTensor:
+def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: int, damping: float = 0.01,
+                  grid: str = "minmax") -> QTensor:
     """GPTQ: quantize the columns of ``w`` (out x in) in order, spreading each column's rounding error
     over the columns not yet quantized so that ‖(W - Q) Xᵀ‖ stays small (``gram`` = XᵀX, in x in).
 
-    Each group's grid is taken from the (updated) weights when the quantizer reaches the group, as in
-    the reference implementation (the last group of a row may be shorter). Dead inputs (zero Gram diagonal)
+    Each group's grid (`grid_for`) is taken from the (updated) weights when the quantizer reaches the
+    group, as in the reference implementation (the last group of a row may be shorter). Dead inputs (zero Gram diagonal)
     get a unit diagonal and their weights are quantized as they are.
     """
     if bits not in BITS:
@@ -135,7 +165,7 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: in
             col = i1 + i
             if col % group_size == 0:
                 g = col // group_size
-                s, z = _grid(W1[:, i:i + group_size].float(), bits)
+                s, z = grid_for(W1[:, i:i + group_size].float(), bits, grid)
                 scales[:, g], zeros[:, g] = s.double(), z.double()
             g = col // group_size
             s, z = scales[:, g], zeros[:, g]

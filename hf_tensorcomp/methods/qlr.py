@@ -4,7 +4,9 @@ Per matrix (EoRA / QERA, with LQ-LoRA's and CALDERA's alternation):
 
 1. Q = the quantizer's codes of W: ``quantizer="gptq"`` (default; error-compensating, reads the
    layer's input Gram XᵀX) or ``"rtn"`` (round to nearest, data-free), ``bits`` per value in groups
-   of ``group_size`` with a float16 scale and an integer zero point (`decompositions.quantize`).
+   of ``group_size`` with a float16 scale and an integer zero point (`decompositions.quantize`); each
+   group's range is its min-max (``grid="minmax"``) or the shrunk range with the least round-trip
+   error (``grid="search"``, GPTQ's reference "mse" grid: a few clipped outliers buy a finer step).
 2. B A = the best rank-``rank`` fit of the quantization error W - Q *in the whitened space of the
    layer's input*: the SVD of (W - Q) S with S Sᵀ = XᵀX + λI, so what is minimised is the output
    error ‖(W - Q - B A) Xᵀ‖ on the calibration inputs (``whiten=False``: plain Frobenius).
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..decompositions.quantize import BITS, quantize_gptq, quantize_rtn, stored_bytes
+from ..decompositions.quantize import BITS, GRIDS, quantize_gptq, quantize_rtn, stored_bytes
 from ..decompositions.svd import whitened_svd, whitening_factor
 from ..layers import QuantizedLowRankLinear
 from ..validation import choices, fail, is_int, is_number
@@ -56,7 +58,7 @@ class QuantizedLowRank(Method):
     layer_types = ("qlr",)
     remedy = "more bits or a larger rank (check the weight: a quantized finite weight is never worse than zeros)"
     option_defaults = {"bits": 4, "quantizer": "gptq", "whiten": True, "rounds": 2, "damping": 1e-4,
-                       "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative"}
+                       "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative", "grid": "minmax"}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -71,6 +73,8 @@ class QuantizedLowRank(Method):
         for key in ("damping", "gptq_damping"):
             if not is_number(o[key]) or not 0 <= o[key] <= 10:
                 fail(key, o[key], "a number in [0, 10]")
+        if o["grid"] not in GRIDS:
+            fail("grid", o["grid"], choices(GRIDS) + " (each group's range: min-max, or the clipping with the least error)")
         if o["allocation"] not in ALLOCATIONS:
             fail("allocation", o["allocation"], choices(ALLOCATIONS) + " (what target_bytes' allocation compares)")
         t = o["target_bytes"]
@@ -115,8 +119,8 @@ class QuantizedLowRank(Method):
     def _quantize(self, w, bits, entry, stats):
         o = entry.options
         if o["quantizer"] == "gptq":
-            return quantize_gptq(w, stats.gram, bits, entry.group_size, o["gptq_damping"])
-        return quantize_rtn(w, bits, entry.group_size)
+            return quantize_gptq(w, stats.gram, bits, entry.group_size, o["gptq_damping"], o["grid"])
+        return quantize_rtn(w, bits, entry.group_size, o["grid"])
 
     def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s) -> tuple:
         """(QTensor, A, B) for one matrix: quantize, fit the correction, alternate."""
@@ -158,7 +162,7 @@ class QuantizedLowRank(Method):
             ref = energy(w) / (w.numel() if how == "size" else 1)
         points = []
         for b in bits:
-            err = w - quantize_rtn(w, b, group_size).dequantize()
+            err = w - quantize_rtn(w, b, group_size, entry.options["grid"]).dequantize()
             if any(ranks):
                 tail = torch.linalg.svdvals(weighted(err)).pow(2).flip(0).cumsum(0).flip(0).tolist() + [0.0]
             else:  # no correction: the whole error, no SVD
