@@ -388,7 +388,7 @@ def _table_ladder(model, config, m, entry, runner) -> tuple[str, tuple[list, lis
         raise ValueError("TensorCompressionConfig.embedding_bits: 'auto' weighs the table by the output head's error, and "
                          "this model has no linear output head; allowed: embedding_bits=8 | 4")
     stats = ModuleStats(frozenset())
-    if entry.options.get("whiten"):
+    if "gram" in m.ladder_needs(entry):
         stats.gram = head_gram(model, head, runner.ids, config.calibration_batch_size)
     stats.fisher = (getattr(runner, "fisher", None) or {}).get(head_name)
     ladder = m.ladder(emb_name, head, stats, entry, bits=TABLE_BITS, ranks=(0,), group_size=config.embedding_group_size,

@@ -89,11 +89,12 @@ def test_correction_is_the_whitened_closed_form_and_lowers_the_error(tiny_dirs):
     assert st["whitened_error"] < st["quant_only_error"]
 
 
-@pytest.mark.parametrize("allocation", ["relative", "size", "fisher"])
-def test_every_allocation_meets_the_byte_budget(tiny_dirs, allocation):
+@pytest.mark.parametrize("allocation, kw", [("relative", {}), ("size", {}), ("fisher", {}),
+                                             ("fisher", {"estimate": "quantizer", "grid": "search", "whiten": False})])
+def test_every_allocation_meets_the_byte_budget(tiny_dirs, allocation, kw):
     from hf_tensorcomp.decompositions.quantize import stored_bytes
 
-    m = _qlr(tiny_dirs, target_bytes=0.3, allocation=allocation)
+    m = _qlr(tiny_dirs, target_bytes=0.3, allocation=allocation, **kw)
     mods = m.config.quantization_config.stats["modules"]
     spent = sum(stored_bytes((v.out_features, v.in_features), st["bits"], 16) + st["rank"] * (v.in_features + v.out_features) * 2
                 for n, st in mods.items() for v in [m.get_submodule(n)])
@@ -190,6 +191,8 @@ def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):
     ({"method": "qlr", "rank": -1, "calibration": "wikipedia"}, "rank"),
     ({"method": "qlr"}, "calibration"),
     ({"method": "qlr", "target_bytes": 0.3, "allocation": "global", "calibration": "wikipedia"}, "allocation"),
+    ({"method": "qlr", "rank": 8, "grid": "mse", "calibration": "wikipedia"}, "grid"),
+    ({"method": "qlr", "target_bytes": 0.3, "estimate": "gptq", "calibration": "wikipedia"}, "estimate"),
 ])
 def test_bad_quantization_settings_name_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: got"):

@@ -14,8 +14,8 @@ Per matrix (EoRA / QERA, with LQ-LoRA's and CALDERA's alternation):
 
 ``target_bytes`` (instead of ``rank``): a fraction of the targeted matrices' bf16 bytes, allocated
 across all of them — bits (2, 4 or 8) and correction rank per matrix — by the same greedy rule as
-LASER's global budget, on the whitened error each setting leaves (estimated with round to nearest),
-never exceeding it. The correction costs 2 bytes a value (bf16), or ``factor_bits`` if set. What the
+LASER's global budget, on the whitened error each setting leaves (estimated with round to nearest,
+or with the quantizer itself: ``estimate="quantizer"``, slower), never exceeding it. The correction costs 2 bytes a value (bf16), or ``factor_bits`` if set. What the
 rule compares across matrices (``allocation``): ``"relative"`` — each matrix's whitened error relative
 to its output energy, every matrix counting the same (a small matrix's error then weighs as much as a
 large one's, so small matrices climb to 8 bits while large ones stay at 2); ``"size"`` — that relative
@@ -36,6 +36,7 @@ from .base import Method, register_method
 
 QUANTIZERS = ("gptq", "rtn")
 ALLOCATIONS = ("relative", "size", "fisher")
+ESTIMATES = ("rtn", "quantizer")
 RANK_RUNGS = (0, 8, 16, 32, 64, 128, 256)
 
 
@@ -58,7 +59,8 @@ class QuantizedLowRank(Method):
     layer_types = ("qlr",)
     remedy = "more bits or a larger rank (check the weight: a quantized finite weight is never worse than zeros)"
     option_defaults = {"bits": 4, "quantizer": "gptq", "whiten": True, "rounds": 2, "damping": 1e-4,
-                       "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative", "grid": "minmax"}
+                       "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative", "grid": "minmax",
+                       "estimate": "rtn"}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -75,6 +77,9 @@ class QuantizedLowRank(Method):
                 fail(key, o[key], "a number in [0, 10]")
         if o["grid"] not in GRIDS:
             fail("grid", o["grid"], choices(GRIDS) + " (each group's range: min-max, or the clipping with the least error)")
+        if o["estimate"] not in ESTIMATES:
+            fail("estimate", o["estimate"], choices(ESTIMATES) + " (how target_bytes' rungs are scored: round to nearest, "
+                 "or the quantizer itself)")
         if o["allocation"] not in ALLOCATIONS:
             fail("allocation", o["allocation"], choices(ALLOCATIONS) + " (what target_bytes' allocation compares)")
         t = o["target_bytes"]
@@ -102,7 +107,9 @@ class QuantizedLowRank(Method):
         return entry.options["target_bytes"] is not None
 
     def ladder_needs(self, entry):
-        return frozenset(({"gram"} if entry.options["whiten"] else set())
+        o = entry.options
+        gptq = o["estimate"] == "quantizer" and o["quantizer"] == "gptq"
+        return frozenset(({"gram"} if o["whiten"] or gptq else set())
                          | ({"fisher"} if entry.options["allocation"] == "fisher" else set()))
 
     def budget(self, entry) -> float:
@@ -116,11 +123,13 @@ class QuantizedLowRank(Method):
             raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration=")
         return whitening_factor(stats.gram, entry.options["damping"])
 
-    def _quantize(self, w, bits, entry, stats):
-        o = entry.options
-        if o["quantizer"] == "gptq":
-            return quantize_gptq(w, stats.gram, bits, entry.group_size, o["gptq_damping"], o["grid"])
-        return quantize_rtn(w, bits, entry.group_size, o["grid"])
+    def _quantize(self, w, bits, entry, stats, group_size=None, estimating=False):
+        """The quantizer's codes of `w`; `estimating` (a ladder's rung): round to nearest unless
+        ``estimate="quantizer"``."""
+        o, g = entry.options, group_size or entry.group_size
+        if o["quantizer"] == "gptq" and not (estimating and o["estimate"] == "rtn"):
+            return quantize_gptq(w, stats.gram, bits, g, o["gptq_damping"], o["grid"])
+        return quantize_rtn(w, bits, g, o["grid"])
 
     def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s) -> tuple:
         """(QTensor, A, B) for one matrix: quantize, fit the correction, alternate."""
@@ -162,7 +171,7 @@ class QuantizedLowRank(Method):
             ref = energy(w) / (w.numel() if how == "size" else 1)
         points = []
         for b in bits:
-            err = w - quantize_rtn(w, b, group_size, entry.options["grid"]).dequantize()
+            err = w - self._quantize(w, b, entry, stats, group_size, estimating=True).dequantize()
             if any(ranks):
                 tail = torch.linalg.svdvals(weighted(err)).pow(2).flip(0).cumsum(0).flip(0).tolist() + [0.0]
             else:  # no correction: the whole error, no SVD
