@@ -62,7 +62,7 @@ def _qlr(tiny_dirs, **kw):
 
 def test_rank_zero_is_the_plain_quantizer(tiny_dirs):
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
-    m = _qlr(tiny_dirs, rank=0, quantizer="rtn", whiten=False)
+    m = _qlr(tiny_dirs, rank=0, quantizer="rtn", whiten=False, grid="minmax")
     layer = m.model.layers[1].mlp.up_proj
     assert isinstance(layer, QuantizedLowRankLinear) and layer.rank == 0
     w = dense.model.layers[1].mlp.up_proj.weight.detach()
@@ -73,7 +73,7 @@ def test_correction_is_the_whitened_closed_form_and_lowers_the_error(tiny_dirs):
     from hf_tensorcomp.calibration import LayerwiseRunner
 
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
-    m = _qlr(tiny_dirs, rank=4, quantizer="rtn", rounds=0, propagate=False)
+    m = _qlr(tiny_dirs, rank=4, quantizer="rtn", rounds=0, propagate=False, grid="minmax")
     # layer 0's inputs are the same for the dense and the compressed model: the Gram of its MLP input
     grams = {}
     runner = LayerwiseRunner(dense, "model.layers", dense.model.layers, calib(), 8)

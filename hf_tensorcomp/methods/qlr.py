@@ -5,8 +5,8 @@ Per matrix (EoRA / QERA, with LQ-LoRA's and CALDERA's alternation):
 1. Q = the quantizer's codes of W: ``quantizer="gptq"`` (default; error-compensating, reads the
    layer's input Gram XᵀX) or ``"rtn"`` (round to nearest, data-free), ``bits`` per value in groups
    of ``group_size`` with a float16 scale and an integer zero point (`decompositions.quantize`); each
-   group's range is its min-max (``grid="minmax"``) or the shrunk range with the least round-trip
-   error (``grid="search"``, GPTQ's reference "mse" grid: a few clipped outliers buy a finer step).
+   group's range is the shrunk range with the least round-trip error (``grid="search"``, default;
+   GPTQ's reference "mse" grid: a few clipped outliers buy a finer step) or its min-max (``"minmax"``).
 2. B A = the best rank-``rank`` fit of the quantization error W - Q *in the whitened space of the
    layer's input*: the SVD of (W - Q) S with S Sᵀ = XᵀX + λI, so what is minimised is the output
    error ‖(W - Q - B A) Xᵀ‖ on the calibration inputs (``whiten=False``: plain Frobenius).
@@ -59,7 +59,7 @@ class QuantizedLowRank(Method):
     layer_types = ("qlr",)
     remedy = "more bits or a larger rank (check the weight: a quantized finite weight is never worse than zeros)"
     option_defaults = {"bits": 4, "quantizer": "gptq", "whiten": True, "rounds": 2, "damping": 1e-4,
-                       "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative", "grid": "minmax",
+                       "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative", "grid": "search",
                        "estimate": "rtn"}
 
     def validate_options(self, options):
