@@ -100,6 +100,15 @@ class Entry:
         return d
 
 
+def table_entry(entries, embedding_bits) -> int | None:
+    """The entry whose byte budget holds the embedding table: with `embedding_bits`, the first entry whose
+    method allocates a byte budget (``qlr`` with ``target_bytes``); else None."""
+    if not embedding_bits:
+        return None
+    return next((k for k, e in enumerate(entries) if get_method(e.method).byte_budget and get_method(e.method).allocates(e)),
+                None)
+
+
 class TensorCompressionConfig(QuantizationConfigMixin):
     """Compression config passed as ``quantization_config=`` (or ``compression_config=``) to ``from_pretrained``.
 
@@ -201,8 +210,7 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         if (embedding_bits not in FACTOR_BITS and embedding_bits != "auto") or isinstance(embedding_bits, bool):
             fail("embedding_bits", embedding_bits, "None (embedding and head as they are) | 8 | 4 (integer codes per group "
                  "of embedding_group_size values) | 'auto' (4 or 8, chosen by a target_bytes budget)")
-        if embedding_bits == "auto" and not compressed_modules and not any(
-                getattr(get_method(e.method), "byte_budget", False) and get_method(e.method).allocates(e) for e in self.entries):
+        if embedding_bits == "auto" and not compressed_modules and table_entry(self.entries, embedding_bits) is None:
             fail("embedding_bits", embedding_bits, "8 | 4, or 'auto' with a byte budget that allocates it (method='qlr' "
                  "with target_bytes=)")
         if not is_int(embedding_group_size, 16) or embedding_group_size > 8192:

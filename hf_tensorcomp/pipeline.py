@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from . import checks
 from .calibration.data import calibration_tokenizer, describe
-from .config import TensorCompressionConfig
+from .config import TensorCompressionConfig, table_entry
 from .decompositions.quantize import stored_bytes
 from .layers import FactorizedModule
 from .methods import get_method
@@ -133,7 +133,7 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
         raise ValueError("compress_checkpoint: Fisher weighting, a Fisher-weighted global allocation and weight "
                          "gradients need a backward pass of the whole dense model, which streaming never holds; "
                          "allowed: weighting=None with allocation='relative' | 'uniform', or compress in memory")
-    k_table = _table_entry(config, methods)
+    k_table = table_entry(entries, config.embedding_bits)
     head = {}
     if k_table is not None and "fisher" in ladder[k_table]:  # the table's rungs are weighed by the head's Fisher
         head_name = embedding_names(model)[1]
@@ -359,15 +359,6 @@ def _by_layer(kinds: dict[str, frozenset]) -> dict[int, dict[str, frozenset]]:
 TABLE_BITS = (4, 8)  # the rungs of ``embedding_bits="auto"``
 
 
-def _table_entry(config, methods) -> int | None:
-    """The entry whose byte budget holds the embedding table (with ``embedding_bits``: the first entry
-    with a byte budget, e.g. ``qlr`` with ``target_bytes``), or None."""
-    if not config.embedding_bits:
-        return None
-    return next((k for k, (m, e) in enumerate(zip(methods, config.entries))
-                 if getattr(m, "byte_budget", False) and m.allocates(e)), None)
-
-
 def _table_ladder(model, config, m, entry, runner) -> tuple[str, tuple[list, list], int]:
     """(key, (costs, losses), parameters) of the embedding table in a byte budget: one rung at fixed
     ``embedding_bits``; with ``"auto"`` the rungs 4 and 8 bits, their loss that of the output head (the
@@ -398,7 +389,7 @@ def _table_ladder(model, config, m, entry, runner) -> tuple[str, tuple[list, lis
 
 def allocate(config, work, methods, layer_list, runner, stream=None, model=None) -> dict[int, dict]:
     """Stage 3: per entry with a global `target`, the rung of every module's ladder, meeting the budget.
-    With ``embedding_bits``, a byte budget (`_table_entry`) holds the embedding table too."""
+    With ``embedding_bits``, a byte budget (`config.table_entry`) holds the embedding table too."""
     from .decompositions.allocation import allocate as allocate_rungs
 
     out = {}
@@ -429,14 +420,14 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
             ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry) for n in names}
         total = sum(layer_list.get_submodule(n).weight.numel() for n in names)
         table = None
-        if k == _table_entry(config, methods):
+        if k == table_entry(config.entries, config.embedding_bits):
             table, ladders[table], params = _table_ladder(model, config, m, entry, runner)
             total += params
         budget = m.budget(entry) * total
         try:
             rungs = allocate_rungs(ladders, budget)
         except ValueError as e:
-            field = "target_bytes" if getattr(m, "byte_budget", False) else "target"
+            field = "target_bytes" if m.byte_budget else "target"
             table_note = f" (the embedding table's {ladders[table][0][0]:,.0f} included)" if table is not None else ""
             raise ValueError(f"TensorCompressionConfig.{field}: got {m.budget(entry)}; {e}{table_note}; allowed: a larger "
                              f"{field}" + (", or embedding_bits=4 | 'auto'" if table is not None else "")) from None

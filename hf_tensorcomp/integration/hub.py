@@ -96,7 +96,7 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
                      f"| {', '.join(e.targets)} | {_layers(e, st, model.config.get_text_config().num_hidden_layers)} | {e.mode} | {_options(e) or ''} |")
     if st:
         for k, a in st.get("allocation", {}).items():
-            if "embedding_bits" in a or getattr(get_method(cfg.entries[int(k)].method), "byte_budget", False):
+            if get_method(cfg.entries[int(k)].method).byte_budget:
                 lines.append(f"\nEntry {k}: target_bytes {a['target']} of the bf16 bytes of {a['params_targeted']:,} "
                              f"parameters, spent {a['kept_fraction']}"
                              + (f", the embedding table inside it at {a['embedding_bits']} bits." if "embedding_bits" in a

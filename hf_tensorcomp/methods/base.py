@@ -131,6 +131,9 @@ class Method:
     #: whether `target=` (a budget over all targeted modules) is accepted
     supports_target: bool = False
 
+    #: whether the global budget counts bytes (``target_bytes``): with ``embedding_bits`` it holds the table too
+    byte_budget: bool = False
+
     def needs(self, entry) -> frozenset:
         """Calibration statistics (`hf_tensorcomp.calibration.KINDS`) each targeted module must come with."""
         return frozenset()

@@ -51,7 +51,7 @@ def _error(w: torch.Tensor, approx: torch.Tensor, s: torch.Tensor | None) -> flo
 @register_method
 class QuantizedLowRank(Method):
     name = "qlr"
-    byte_budget = True  # target_bytes counts bytes: with embedding_bits, the embedding table joins the budget
+    byte_budget = True
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 32
     supports_target = True
@@ -178,7 +178,7 @@ class QuantizedLowRank(Method):
                 tail = [energy(err)]
             del err
             for r in ranks:
-                if r == 0 or r < min(w.shape) // 2:
+                if r < min(w.shape) // 2:
                     points.append((copies * self._rung_bytes(module, b, r, entry, group_size) / 2, tail[r] / ref, (b, r)))
         points.sort()
         front = []
