@@ -1,8 +1,9 @@
 """Decode speed of 4-bit weights: the dense model, optimum-quanto int4 and hf_tensorcomp's 4-bit codes
 (`qlr` without and with a rank-32 correction), in float32 and in bfloat16.
 
-In bfloat16 hf_tensorcomp's 4-bit weights run PyTorch's CPU int4 kernel; in float32 they are
-de-quantized at every forward. Speed depends on the shapes only, not on the codes, so the rows use the
+hf_tensorcomp's 4-bit weights run PyTorch's CPU int4 kernel in both dtypes (float32 activations are
+rounded to bfloat16 for the product, the kernel's only input type); the correction's two thin products
+run in float32 in both. Speed depends on the shapes only, not on the codes, so the rows use the
 round-to-nearest quantizer (GPTQ gives the same speed after a longer compression). Greedy decode,
 batch 1, 32-token prompt, 32 new tokens, median of 3; each model in its own child process.
 

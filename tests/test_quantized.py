@@ -29,7 +29,7 @@ def data():
     return w, x
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_round_trip_within_half_a_step(data, bits):
     w, _ = data
     q = quantize_rtn(w, bits, 64)
@@ -38,7 +38,7 @@ def test_round_trip_within_half_a_step(data, bits):
     assert int(q.codes.max()) <= 2**bits - 1 and int(q.zero.max()) <= 2**bits - 1
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_packing_is_exact_and_dense(bits):
     codes = torch.randint(0, 2**bits, (1024,), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
     packed = pack(codes, bits)
@@ -128,7 +128,7 @@ def _tensor_bytes(folder) -> int:
 
 
 @pytest.mark.parametrize("method, kw", [
-    ("qlr", {"rank": 8}), ("qlr", {"target_bytes": 0.3}), ("qlr", {"rank": 8, "factor_bits": 8}),
+    ("qlr", {"rank": 8}), ("qlr", {"rank": 8, "bits": 3}), ("qlr", {"target_bytes": 0.3}), ("qlr", {"rank": 8, "factor_bits": 8}),
     ("laser", {"rank": 8, "factor_bits": 4}), ("laser", {"rank": 8, "factor_bits": 8}),
     ("trawl", {"rank": 8, "factor_bits": 4}), ("tensorllm", {"ratio": 2.0, "factor_bits": 4}),
     ("einsort", {"target": 0.5, "factor_bits": 4}),
@@ -185,7 +185,7 @@ def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):
     ({"method": "laser", "rank": 4, "factor_bits": 3}, "factor_bits"),
     ({"method": "laser", "rank": 4, "factor_bits": 4, "group_size": 8}, "group_size"),
     ({"method": "laser", "rank": 4, "factor_bits": 4, "mode": "dense"}, "factor_bits"),
-    ({"method": "qlr", "bits": 3, "calibration": "wikipedia"}, "bits"),
+    ({"method": "qlr", "bits": 5, "calibration": "wikipedia"}, "bits"),
     ({"method": "qlr", "quantizer": "hqq", "calibration": "wikipedia"}, "quantizer"),
     ({"method": "qlr", "target_bytes": 1.5, "calibration": "wikipedia"}, "target_bytes"),
     ({"method": "qlr", "rank": -1, "calibration": "wikipedia"}, "rank"),

@@ -7,7 +7,7 @@ an ``(out, in)`` weight: groups along each row, the usual layout). Each group ha
 an **integer** zero point ``zero`` in ``[0, 2^bits - 1]``; a value is ``(code - zero) * scale``.
 Integer zero points are what GPTQ / compressed-tensors loaders expect, and they do not reproduce the
 GGUF Q4_1 blocks (float minimum) of the bundled models by accident. Codes of 2, 4 or 8 bits are packed
-``8 // bits`` to a byte, lowest bits first.
+``8 // bits`` to a byte, 3-bit codes eight to three bytes; lowest bits first (a little-endian bit stream).
 
 GPTQ (Frantar et al., 2022) is written here rather than taken from GPTQModel: that package pins its
 own torch, needs a worker-pool workaround on 2 cores and quantizes whole models through its own
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-BITS = (2, 4, 8)
+BITS = (2, 3, 4, 8)
 
 
 @dataclass
@@ -194,21 +194,34 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes of `bits` bits -> bytes holding ``8 // bits`` codes each, lowest bits first."""
-    per = 8 // bits
+    """uint8 codes of `bits` bits -> a little-endian bit stream of `code_bytes` bytes: ``8 // bits`` codes
+    to a byte where `bits` divides 8, else eight codes to `bits` bytes (lowest bits first either way)."""
+    per = 8 // bits if 8 % bits == 0 else 8
     c = codes.reshape(-1)
-    if c.numel() % per:
-        c = torch.cat([c, c.new_zeros(per - c.numel() % per)])
-    c = c.reshape(-1, per).to(torch.int32)
-    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
-    return (c << shifts).sum(1).to(torch.uint8)
+    n = c.numel()
+    if n % per:
+        c = torch.cat([c, c.new_zeros(per - n % per)])
+    word = torch.int32 if per * bits <= 8 else torch.int64
+    c = c.reshape(-1, per).to(word)
+    chunk = (c << (torch.arange(per, dtype=word, device=codes.device) * bits)).sum(1)  # per * bits bits each
+    if per * bits == 8:
+        return chunk.to(torch.uint8)
+    out = (chunk[:, None] >> (torch.arange(bits, dtype=word, device=codes.device) * 8)) & 255
+    return out.to(torch.uint8).reshape(-1)[: code_bytes(n, bits)]
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of `pack`."""
-    per = 8 // bits
-    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
-    return ((packed.to(torch.int32)[:, None] >> shifts) & (2**bits - 1)).reshape(-1).to(torch.uint8)
+    """The inverse of `pack` (codes past the packed ones come out as zeros, as `QTensor` allows)."""
+    if 8 % bits == 0:
+        per = 8 // bits
+        shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+        return ((packed.to(torch.int32)[:, None] >> shifts) & (2**bits - 1)).reshape(-1).to(torch.uint8)
+    p = packed.reshape(-1)
+    if p.numel() % bits:
+        p = torch.cat([p, p.new_zeros(bits - p.numel() % bits)])
+    chunk = (p.reshape(-1, bits).to(torch.int64) << (torch.arange(bits, device=p.device) * 8)).sum(1)
+    codes = (chunk[:, None] >> (torch.arange(8, device=p.device) * bits)) & (2**bits - 1)
+    return codes.reshape(-1).to(torch.uint8)
 
 
 # --------------------------------------------------------------------------------------------

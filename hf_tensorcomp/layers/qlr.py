@@ -4,7 +4,8 @@ The shape of a quantized base with a LoRA adapter (EoRA, QERA, LQ-LoRA, CALDERA)
 the integer codes of Q(W) (packed, with its per-group ``weight_scale`` / ``weight_zero``, see
 `FactorizedModule.quantize_factors`), ``lora_A`` (rank x in) and ``lora_B`` (out x rank) the
 correction, in the model's dtype or quantized too (``factor_bits``). The forward dequantizes Q(W)
-on the fly, or runs PyTorch's CPU int4 kernel at 4 bits with bfloat16 activations (`FactorizedModule.factor_linear`); the correction costs 2 r (in + out) flops per token.
+on the fly, or runs PyTorch's CPU int4 kernel at 4 bits (`FactorizedModule.factor_linear`); the
+correction costs 2 r (in + out) flops per token (in float32 on CPU at inference, also in a bfloat16 model).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class QuantizedLowRankLinear(FactorizedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.factor_linear(x, "weight", self.bias)
         if self.rank:
+            if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+                # two thin bfloat16 products cost ~3x their float32 equivalents on CPU at decode shapes
+                return y + F.linear(F.linear(x.float(), self.lora_A.float()), self.lora_B.float()).to(y.dtype)
             y = y + F.linear(F.linear(x, self.lora_A), self.lora_B)
         return y
 

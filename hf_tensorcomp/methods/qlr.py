@@ -13,8 +13,8 @@ Per matrix (EoRA / QERA, with LQ-LoRA's and CALDERA's alternation):
 3. ``rounds`` more times: re-quantize W - B A, refit B A to what is left.
 
 ``target_bytes`` (instead of ``rank``): a fraction of the targeted matrices' bf16 bytes, allocated
-across all of them — bits (2, 4 or 8) and correction rank per matrix — by the same greedy rule as
-LASER's global budget, on the whitened error each setting leaves (estimated with round to nearest,
+across all of them — bits (2, 3, 4 or 8, or those of ``bit_choices``) and correction rank per matrix —
+by the same greedy rule as LASER's global budget, on the whitened error each setting leaves (estimated with round to nearest,
 or with the quantizer itself: ``estimate="quantizer"``, slower), never exceeding it. The correction costs 2 bytes a value (bf16), or ``factor_bits`` if set. What the
 rule compares across matrices (``allocation``): ``"relative"`` — each matrix's whitened error relative
 to its output energy, every matrix counting the same (a small matrix's error then weighs as much as a
@@ -60,7 +60,7 @@ class QuantizedLowRank(Method):
     remedy = "more bits or a larger rank (check the weight: a quantized finite weight is never worse than zeros)"
     option_defaults = {"bits": 4, "quantizer": "gptq", "whiten": True, "rounds": 2, "damping": 1e-4,
                        "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative", "grid": "search",
-                       "estimate": "rtn"}
+                       "estimate": "rtn", "bit_choices": None}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -85,6 +85,13 @@ class QuantizedLowRank(Method):
         t = o["target_bytes"]
         if t is not None and (not is_number(t) or not 0 < t < 1):
             fail("target_bytes", t, "None, or a float in (0, 1): the fraction of the targeted matrices' bf16 bytes kept")
+        c = o["bit_choices"]
+        if c is not None:
+            if (t is None or not isinstance(c, (list, tuple)) or not c or len(set(c)) != len(c)
+                    or any(isinstance(b, bool) or b not in BITS for b in c)):
+                fail("bit_choices", c, f"None (every width: {', '.join(map(str, BITS))}), or with target_bytes= a list of "
+                     "distinct widths from those (e.g. [4, 8]: only the int4 kernel's and int8 widths)")
+            o["bit_choices"] = sorted(c)
         return o
 
     def validate_rank(self, rank, options):
@@ -147,11 +154,13 @@ class QuantizedLowRank(Method):
         corr_bits = entry.factor_bits or 16
         return stored_bytes((o, i), bits, group_size or entry.group_size) + rank * (i + o) * corr_bits / 8
 
-    def ladder(self, name, module, stats, entry, bits=BITS, ranks=RANK_RUNGS, group_size=None, copies=1):
+    def ladder(self, name, module, stats, entry, bits=None, ranks=RANK_RUNGS, group_size=None, copies=1):
         """Rungs (bits, rank) on the Pareto front of (bytes, loss), costs in bf16 parameters (bytes / 2)
         so that the budget is `target_bytes` x the targeted parameters; the loss as ``allocation`` says.
         `bits`, `ranks`, `group_size` narrow the rungs (the embedding table: its own group size, no
-        correction); `copies`: how many times the matrix is stored (an untied head beside its table)."""
+        correction; default bits: the ``bit_choices`` option); `copies`: how many times the matrix is stored (an
+        untied head beside its table)."""
+        bits = bits or entry.options["bit_choices"] or BITS
         group_size = group_size or entry.group_size
         s = self._whitening(stats, entry)
         how = entry.options["allocation"]
