@@ -26,7 +26,7 @@ DEFAULTS = {
     "group_size": 128,
     "calibration_samples": 32,
     "calibration_length": 256,
-    "threads": 2,
+    "threads": 1,  # the other core was busy with another one-thread benchmark in the published run
 }
 ROWS = {
     "rtn4": {"method": "qlr", "rank": 0, "quantizer": "rtn", "whiten": False},
@@ -87,7 +87,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def header(cfg: dict) -> str:
     return ("# Decode speed of 4-bit weights, float32 and bfloat16\n\n"
-            f"Batch 1, greedy, 32 new tokens after a 32-token prompt, {cfg['threads']} threads, groups of "
+            f"Batch 1, greedy, 32 new tokens after a 32-token prompt, {cfg['threads']} thread(s), groups of "
             f"{cfg['group_size']}; one child process per model and row. `rtn4`: hf_tensorcomp's 4-bit codes "
             "(`qlr`, rank 0); `rtn4_r32`: plus a rank-32 whitened correction. Written by benchmarks/decode_speed.py.\n\n")
 

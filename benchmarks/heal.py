@@ -45,8 +45,12 @@ ROWS = {
 }
 ROWS["laser0.8_256w"], ROWS["laser0.6_256w"] = ROWS["laser0.8"], ROWS["laser0.6"]
 ROWS["laser0.8_layerwise"], ROWS["laser0.8_both"] = ROWS["laser0.8"], ROWS["laser0.8"]
+ROWS["qlr_bytes_0.27_b3_all"] = ROWS["qlr_bytes_0.27_b3"]
+ROWS["qlr_bytes_0.21_b3_all"] = {**ROWS["qlr_bytes_0.27_b3"], "target_bytes": 0.21}
 HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples": 256},  # row -> its own healing settings
-                  "laser0.8_layerwise": {"mode": "layerwise"}, "laser0.8_both": {"mode": "both"}}
+                  "laser0.8_layerwise": {"mode": "layerwise"}, "laser0.8_both": {"mode": "both"},
+                  # the quantization scales trained too (codes fixed), beside the correction and the norms
+                  "qlr_bytes_0.27_b3_all": {"train": "all"}, "qlr_bytes_0.21_b3_all": {"train": "all"}}
 
 
 def _one(job: dict, q) -> None:

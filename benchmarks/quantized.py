@@ -9,7 +9,8 @@ at bf16 (embeddings included). Both bundled models are de-quantized 4-bit GGUF f
 Q4_1, Gemma-3-270M Q4_K_M, blocks of 32): every quantizer here uses groups of >= 64 and integer zero
 points, which do not ride on those blocks. Each row runs in a child process (its own peak memory).
 
-Peers: optimum-quanto int8 / int4 weight-only (round to nearest; int4 in groups of 128), and GPTQ int4
+Peers: optimum-quanto int8 / int4 weight-only (round to nearest; int4 in groups of 128), torchao int8
+weight-only (one scale per row; the row ``torchao_int8``, needs ``pip install torchao``), and GPTQ int4
 g128 (the calibrated peer: this library's own implementation, the row ``gptq4``; GPTQModel itself is
 not run here, it pins another torch).
 
@@ -33,7 +34,8 @@ DEFAULTS = {
     "models": ["smollm2", "gemma3"],
     "rows": ["dense", "quanto_int8", "quanto_int4", "rtn4", "gptq4", "qlr4_r32", "qlr_bytes_0.27", "rtn4_r32",
              "qlr_bytes_0.33", "qlr_bytes_0.21", "laser0.6_f8", "qlr4_r16", "laser0.6_f4", "qlr4_r32_emb8",
-             "qlr4_r32_emb4", "qlr_bytes_0.27_size", "qlr_bytes_0.27_fisher"],
+             "qlr4_r32_emb4", "qlr_bytes_0.27_size", "qlr_bytes_0.27_fisher", "torchao_int8", "gptq3_search",
+             "qlr_bytes_0.27_b3", "qlr_bytes_0.21_b3", "qlr3_r16_search", "qlr_bytes_0.33_b3"],
     "eval_tokens": 8192,
     "calibration_samples": 32,
     "calibration_length": 256,
@@ -110,7 +112,8 @@ def _linear_bytes(model) -> tuple[int, int]:
             dense += m.weight.numel() * 2
             bits = getattr(getattr(m, "weight_qtype", None), "bits", 16)  # optimum-quanto's QLinear
             n = m.weight.numel()
-            stored += n * 2 if bits == 16 else n + m.out_features * 2 if bits == 8 else n // 2 + n // 128 * 4
+            stored += (_tensor_bytes(m.weight) if bits == 16 else n + m.out_features * 2 if bits == 8
+                       else n // 2 + n // 128 * 4)
     return stored, dense
 
 
@@ -143,8 +146,19 @@ def _as_shipped(modules) -> int:
             if name in m._non_persistent_buffers_set or t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
-            total += t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
+            total += _tensor_bytes(t)
     return total
+
+
+def _tensor_bytes(t) -> int:
+    """A float tensor at bf16 (as shipped), an integer one as stored; torchao's quantized weights (a tensor
+    subclass holding ``qdata``, ``scale``, ``zero_point``) by those parts, float scales at bf16."""
+    import torch
+
+    parts = [getattr(t, k) for k in ("qdata", "scale", "zero_point") if getattr(t, k, None) is not None]
+    if parts:
+        return sum(_tensor_bytes(p) for p in parts)
+    return t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
 
 
 def _quanto(model, bits: int) -> None:
@@ -157,6 +171,16 @@ def _quanto(model, bits: int) -> None:
     freeze(layers)
 
 
+def _torchao_int8(model) -> None:
+    """torchao's int8 weight-only quantization (one scale per output row) of every decoder-layer linear."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    from hf_tensorcomp.plan import find_decoder_layers
+
+    _, layers = find_decoder_layers(model)
+    quantize_(layers, Int8WeightOnlyConfig())
+
+
 def _one(job: dict, q) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -165,9 +189,11 @@ def _one(job: dict, q) -> None:
 
     path, tok, row = child_setup(job)
     t0 = time.perf_counter()
-    if job["row"] in ("dense", "quanto_int8", "quanto_int4"):
+    if job["row"] in ("dense", "quanto_int8", "quanto_int4", "torchao_int8"):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        if job["row"] != "dense":
+        if job["row"] == "torchao_int8":
+            _torchao_int8(model)
+        elif job["row"] != "dense":
             _quanto(model, int(job["row"][-1]))
             _without_inference_mode(model)  # quanto's int4 weights fail under inference mode
     else:
@@ -236,7 +262,8 @@ def plot(rows: list[dict], path: Path) -> None:
     def draw(ax, rs):
         rs = [r for r in rs if "x_owt" in r]
         groups = {"quanto": [r for r in rs if r["row"].startswith("quanto")],
-                  "round to nearest / GPTQ alone": [r for r in rs if r["row"] in ("rtn4", "gptq4")],
+                  "torchao int8": [r for r in rs if r["row"].startswith("torchao")],
+                  "round to nearest / GPTQ alone": [r for r in rs if r["row"] == "rtn4" or r["row"].startswith("gptq")],
                   "qlr (quantized + correction)": [r for r in rs if r["row"].startswith(("qlr", "rtn4_r"))],
                   "LASER (quantized factors)": [r for r in rs if r["row"].startswith("laser")]}
         for label, g in groups.items():

@@ -282,7 +282,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
 HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-3, "relative": True, "batch_size": 4,
                  "train": "auto", "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 256,
                  "length": 256, "gradient_checkpointing": False}
-TRAIN = ("auto", "factors", "norms")
+TRAIN = ("auto", "factors", "norms", "scales", "all")
 MODES = ("e2e", "layerwise", "both")
 
 
@@ -323,15 +323,21 @@ def trainable(model, train: str = "auto") -> list:
     """What healing trains: ``"factors"``: every floating parameter of the compressed (factored) modules
     (LASER's U and V, TRAWL / TensorLLM factors and cores, EinSort cores, a ``qlr`` layer's correction;
     quantized codes are buffers and stay); ``"norms"``: the normalisation weights and every bias;
-    ``"auto"``: both."""
+    ``"auto"``: both; ``"scales"``: the per-group scales of every quantized tensor (codes and zero
+    points stay; turned into parameters here, `FactorizedModule.train_scales`, and folded back into
+    their float16 buffers by `heal`); ``"all"``: factors, norms and scales."""
     from .layers import FactorizedModule
 
     out = {}
-    if train in ("auto", "factors"):
+    if train in ("scales", "all"):
         for m in model.modules():
             if isinstance(m, FactorizedModule):
-                out.update({id(p): p for p in m.parameters() if p.is_floating_point()})
-    if train in ("auto", "norms"):
+                out.update({id(p): p for p in m.train_scales(True)})
+    if train in ("auto", "factors", "all"):
+        for m in model.modules():
+            if isinstance(m, FactorizedModule):
+                out.update({id(p): p for n, p in m.named_parameters() if p.is_floating_point() and id(p) not in out})
+    if train in ("auto", "norms", "all"):
         for name, m in model.named_modules():
             if "norm" in type(m).__name__.lower():
                 out.update({id(p): p for p in m.parameters(recurse=False)})
@@ -438,6 +444,18 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
     `RelativeSteps`, the default —, ``batch_size``, ``train``, ``lm_weight``,
     ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``).
     """
+    try:
+        return _heal(model, teacher, calibration, steps, tokenizer=tokenizer, progress=progress, _config=_config,
+                     **settings)
+    finally:  # train="scales" | "all": the trained scales back into their stored float16 buffers
+        from .layers import FactorizedModule
+
+        for m in model.modules():
+            if isinstance(m, FactorizedModule):
+                m.train_scales(False)
+
+
+def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, **settings) -> dict:
     from .calibration.data import calibration_ids, calibration_tokenizer, validate_calibration
 
     o = validate_heal({**settings, **({"steps": steps} if steps is not None else {})})
@@ -445,7 +463,7 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
     t0 = time.perf_counter()
     params = trainable(model, o["train"])
     if not params:
-        raise ValueError(f"heal: train={o['train']!r} finds nothing to train in this model; allowed: 'auto' | 'norms'")
+        raise ValueError(f"heal: train={o['train']!r} finds nothing to train in this model; allowed: 'auto' | 'norms' | 'scales' | 'all'")
     tok = calibration_tokenizer(model, calibration, tokenizer)
     ids = calibration_ids(calibration, tok, o["samples"], o["length"], o["seed"])
     n_held = max(1, round(o["held_out"] * ids.shape[0]))

@@ -91,6 +91,34 @@ def test_quantized_codes_stay_and_norms_train(tiny_dirs):
     assert not torch.equal(model.model.layers[0].input_layernorm.weight, norm)
 
 
+def test_trained_scales_move_codes_stay_and_save_as_float16(tiny_dirs, tmp_path, ids):
+    model = compressed(tiny_dirs, method="qlr", rank=0, bits=2, group_size=16, quantizer="rtn", whiten=False,
+                       calibration=calib())
+    layer = model.model.layers[0].mlp.up_proj
+    codes, zero, scale = (layer._buffers[k].clone() for k in ("weight", "weight_zero", "weight_scale"))
+    report = hf_tensorcomp.heal(model, steps=20, lr=3e-2, train="scales", **SETTINGS)
+    assert report["improved"] and report["held_out_kl_after"] < report["held_out_kl_before"]
+    # scales only: folded back into float16 buffers, moved; codes, zero points and every parameter as they were
+    assert layer._buffers["weight_scale"].dtype == torch.float16 and "weight_scale" not in layer._parameters
+    assert not torch.equal(layer._buffers["weight_scale"], scale)
+    assert torch.equal(layer._buffers["weight"], codes) and torch.equal(layer._buffers["weight_zero"], zero)
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ref)
+
+
+def test_scales_that_do_not_improve_are_put_back_bit_for_bit(tiny_dirs):
+    model = compressed(tiny_dirs, method="qlr", rank=2, group_size=16, calibration=calib())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="did not lower the held-out loss"):
+        assert not hf_tensorcomp.heal(model, steps=5, lr=1.0, train="all", **SETTINGS)["improved"]
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(before[k], v) for k, v in after.items())
+
+
 @pytest.mark.parametrize("heal, field", [({"stepz": 3}, "heal"), ({"steps": 0}, "heal.steps"), ("yes", "heal"),
                                          ({"train": "everything"}, "heal.train"), ({"held_out": 0}, "heal.held_out"),
                                          ({"relative": 1}, "heal.relative")])

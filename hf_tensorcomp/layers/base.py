@@ -121,11 +121,27 @@ class FactorizedModule(nn.Module):
             self.register_buffer(f"{n}_zero", zero.to(p.device))
             q[n] = (bits, group_size, tuple(p.shape), p.dtype)
 
+    def train_scales(self, on: bool = True) -> list[nn.Parameter]:
+        """Make the per-group scales of the quantized factors trainable float32 parameters (``on``; the
+        codes and zero points stay), or fold them back into the stored float16 buffers (``on=False``:
+        rounded to float16, which a scale that never moved survives bit for bit). Returns the
+        parameters (empty when off)."""
+        out = []
+        for n in self.__dict__.get("_qfactors", {}):
+            key = f"{n}_scale"
+            if on and key in self._buffers:
+                self.register_parameter(key, nn.Parameter(self._buffers.pop(key).float()))
+            if on:
+                out.append(self._parameters[key])
+            elif key in self._parameters:
+                self.register_buffer(key, self._parameters.pop(key).detach().half())
+        return out
+
     def _apply(self, fn, recurse=True):
         """`nn.Module._apply` (``.to``, ``.half``, ``.cuda`` ...) keeping quantized factors' float16 scales as
         stored (a bfloat16 cast would round them) and de-quantizing to the module's new float dtype."""
         q = self.__dict__.get("_qfactors")
-        if not q:
+        if not q or any(f"{n}_scale" in self._parameters for n in q):  # scales in training: moved like parameters
             return super()._apply(fn, recurse)
         scales = {n: self._buffers[f"{n}_scale"] for n in q}
         out = super()._apply(fn, recurse)
@@ -142,10 +158,11 @@ class FactorizedModule(nn.Module):
         bfloat16 activations as they are, float32 ones rounded to bfloat16 for the product (the kernel's
         only input type; the result is cast back) — faster than the float32 dense product it replaces,
         where de-quantizing at every call is several times slower. Otherwise (and where the kernel is
-        missing or refuses the shape) on its de-quantized value, exactly."""
+        missing or refuses the shape, or while `train_scales` trains the scales) on its de-quantized
+        value, exactly."""
         q = self.__dict__.get("_qfactors", {}).get(name)
         if (q is not None and q[0] == 4 and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
-                and not (torch.is_grad_enabled() and x.requires_grad)):
+                and not (torch.is_grad_enabled() and x.requires_grad) and f"{name}_scale" not in self._parameters):
             kernel = self._int4_kernel(name)
             if kernel is not None:
                 y = kernel(x.to(torch.bfloat16)).to(x.dtype)
@@ -170,7 +187,8 @@ class FactorizedModule(nn.Module):
         if q is not None and name in q:
             bits, group, shape, dtype = q[name]
             buffers = self.__dict__["_buffers"]
-            codes, scale, zero = buffers[name], buffers[f"{name}_scale"], buffers[f"{name}_zero"]
+            codes, zero = buffers[name], buffers[f"{name}_zero"]
+            scale = buffers.get(f"{name}_scale", self.__dict__["_parameters"].get(f"{name}_scale"))  # `train_scales`
             if "meta" in (codes.device.type, scale.device.type, zero.device.type):
                 return codes  # a skeleton being loaded: the loader reads and fills the stored tensor itself
             return QTensor(unpack(codes, bits), scale, zero, bits, group, shape).dequantize(dtype)

@@ -46,6 +46,10 @@ class QuantizedEmbedding(FactorizedModule):
         m.quantize_factors(bits, group_size, ["weight"], given=None if given is None else {"weight": given})
         return m
 
+    def train_scales(self, on: bool = True) -> list:
+        """The table's scales stay as stored (a lookup reads the stored rows directly)."""
+        return []
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         q = self.__dict__.get("_qfactors", {}).get("weight")
         if q is None:
