@@ -138,8 +138,6 @@ def _is_linear(m) -> bool:
 def _as_shipped(modules) -> int:
     """Bytes of the modules' own parameters and saved buffers, float32 counted at bf16 (the models as
     shipped), integer codes and float16 scales as stored; each tensor once."""
-    import torch
-
     seen, total = set(), 0
     for m in modules:
         for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
