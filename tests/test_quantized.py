@@ -237,11 +237,12 @@ needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="this PyTo
 
 
 @needs_kernel
-@pytest.mark.parametrize("out_f, in_f, group", [(48, 128, 32), (48, 576, 128), (64, 256, 64)])
-def test_int4_kernel_computes_the_dequantized_product(out_f, in_f, group):
+@pytest.mark.parametrize("out_f, in_f, group, bits", [(48, 128, 32, 4), (48, 576, 128, 4), (64, 256, 64, 4),
+                                                     (48, 576, 128, 3), (64, 256, 64, 2)])
+def test_int4_kernel_computes_the_dequantized_product(out_f, in_f, group, bits):
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(out_f, in_f, generator=g), torch.randn(5, 3, in_f, generator=g)
-    q = quantize_rtn(w, 4, group)
+    q = quantize_rtn(w, bits, group)  # 2- and 3-bit codes are 4-bit codes using part of the range
     kernel = Int4Kernel.build(q)
     assert kernel is not None and kernel.padded % group == 0  # 576 = 4.5 groups of 128: the short group padded
     ref = x.bfloat16().float() @ q.dequantize().T  # the same product in float32

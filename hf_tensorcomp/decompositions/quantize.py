@@ -239,7 +239,9 @@ def int4_kernel_available() -> bool:
 
 @dataclass
 class Int4Kernel:
-    """A 4-bit (out x in) `QTensor` in the layout of ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
+    """A 4-bit (out x in) `QTensor` in the layout of ``torch.ops.aten._weight_int4pack_mm_for_cpu``; 2- and
+    3-bit codes too, which are 4-bit codes that use part of the range (same scale and zero point; held
+    at 4 bits in memory while the stored form stays packed at its width).
 
     That kernel computes ``x @ ((c - 8) * s + z)ᵀ`` per group; ours is ``(c - zero) * s``, so ``z = (8 - zero) * s``
     (exact in float32; the kernel reads scales and offsets in bfloat16, like its activations). A short
@@ -255,7 +257,7 @@ class Int4Kernel:
 
     @classmethod
     def build(cls, q: QTensor) -> "Int4Kernel | None":
-        if q.bits != 4 or q.group_size not in KERNEL_GROUPS or len(q.shape) != 2 or not int4_kernel_available():
+        if q.bits > 4 or q.group_size not in KERNEL_GROUPS or len(q.shape) != 2 or not int4_kernel_available():
             return None
         out_f, in_f = q.shape
         if out_f % 16:  # the kernel's packing needs rows in multiples of 16
