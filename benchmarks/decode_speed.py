@@ -22,7 +22,7 @@ from common import _without_inference_mode, bench_main, child_setup, decode_toke
 NAME = "decode_speed"
 DEFAULTS = {
     "models": ["smollm2", "gemma3"],
-    "rows": ["dense", "quanto_int4", "rtn4", "rtn4_r32"],
+    "rows": ["dense", "quanto_int4", "rtn4", "rtn4_r32", "bytes0.27", "bytes0.27_b34"],
     "group_size": 128,
     "calibration_samples": 32,
     "calibration_length": 256,
@@ -31,6 +31,10 @@ DEFAULTS = {
 ROWS = {
     "rtn4": {"method": "qlr", "rank": 0, "quantizer": "rtn", "whiten": False},
     "rtn4_r32": {"method": "qlr", "rank": 32, "quantizer": "rtn", "rounds": 1},
+    # a byte budget's mix of widths and ranks (2, 3, 4 bits run the int4 kernel, 8 bits de-quantize per call)
+    "bytes0.27": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher"},
+    "bytes0.27_b34": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",
+                      "bit_choices": [3, 4]},
 }
 
 
@@ -89,7 +93,9 @@ def header(cfg: dict) -> str:
     return ("# Decode speed of 4-bit weights, float32 and bfloat16\n\n"
             f"Batch 1, greedy, 32 new tokens after a 32-token prompt, {cfg['threads']} thread(s), groups of "
             f"{cfg['group_size']}; one child process per model and row. `rtn4`: hf_tensorcomp's 4-bit codes "
-            "(`qlr`, rank 0); `rtn4_r32`: plus a rank-32 whitened correction. Written by benchmarks/decode_speed.py.\n\n")
+            "(`qlr`, rank 0); `rtn4_r32`: plus a rank-32 whitened correction; `bytes0.27`: `target_bytes=0.27` "
+            "(Fisher allocation over 2, 3, 4 and 8 bits and ranks, round to nearest), `bytes0.27_b34`: the same over 3 "
+            "and 4 bits. Written by benchmarks/decode_speed.py.\n\n")
 
 
 if __name__ == "__main__":
