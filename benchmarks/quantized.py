@@ -280,7 +280,9 @@ def header(cfg: dict) -> str:
         "Every decoder linear; calibration: Wikipedia calib split (32 x 256 tokens); perplexity: "
         f"{cfg['eval_tokens']} tokens of the Wikipedia eval split and of OpenWebText's, 512-token windows. Groups of "
         f"{cfg['group_size']} with integer zero points (the bundled models are de-quantized GGUF 4-bit files with blocks "
-        "of 32, which a 32-group float-minimum quantizer would reproduce for free). Written by benchmarks/quantized.py.\n\n"
+        "of 32, which a 32-group float-minimum quantizer would reproduce for free). Decode speed of hf_tensorcomp's own "
+        "rows: benchmarks/results/decode_speed.md (its 4-bit rows run the CPU int4 kernel in float32 since it was "
+        "measured here). Written by benchmarks/quantized.py.\n\n"
     )
 
 
