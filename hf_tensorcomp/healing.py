@@ -329,14 +329,12 @@ def trainable(model, train: str = "auto") -> list:
     from .layers import FactorizedModule
 
     out = {}
-    if train in ("scales", "all"):
-        for m in model.modules():
-            if isinstance(m, FactorizedModule):
+    for m in model.modules():
+        if isinstance(m, FactorizedModule):
+            if train in ("scales", "all"):
                 out.update({id(p): p for p in m.train_scales(True)})
-    if train in ("auto", "factors", "all"):
-        for m in model.modules():
-            if isinstance(m, FactorizedModule):
-                out.update({id(p): p for n, p in m.named_parameters() if p.is_floating_point() and id(p) not in out})
+            if train in ("auto", "factors", "all"):
+                out.update({id(p): p for p in m.parameters() if p.is_floating_point()})
     if train in ("auto", "norms", "all"):
         for name, m in model.named_modules():
             if "norm" in type(m).__name__.lower():

@@ -193,6 +193,8 @@ def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):
     ({"method": "qlr", "target_bytes": 0.3, "allocation": "global", "calibration": "wikipedia"}, "allocation"),
     ({"method": "qlr", "rank": 8, "grid": "mse", "calibration": "wikipedia"}, "grid"),
     ({"method": "qlr", "target_bytes": 0.3, "estimate": "gptq", "calibration": "wikipedia"}, "estimate"),
+    ({"method": "qlr", "bit_choices": [3, 4], "calibration": "wikipedia"}, "bit_choices"),  # needs target_bytes
+    ({"method": "qlr", "target_bytes": 0.3, "bit_choices": [4, 5], "calibration": "wikipedia"}, "bit_choices"),
 ])
 def test_bad_quantization_settings_name_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: got"):
