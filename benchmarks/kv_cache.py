@@ -18,6 +18,10 @@ budget, permutation and sign bits included, and the realized ratio is reported):
 - ``svd``: plain truncated SVD of the (heads*tokens, head_dim) segment, no sorting, no sign bits.
 - ``fullsort``: as einsort, but one permutation per head (the reference; its indices cost more).
 - ``einsort-fp16`` / ``svd-fp16``: the same with float16 factors (the budget still counts fp32 dense bytes).
+- ``svd+q4`` / ``svd+q3`` / ``svd+q2`` / ``einsort+q2``: the segment's fit (float16 factors) plus what it
+  misses quantized at 4 / 3 / 2 bits (``error_bits``: keys grouped along tokens, values along channels;
+  the budget pays the quantized error first, the factors get the rest; at the lowest ratio of each, rank 0:
+  quantization alone).
 - ``quanto-2bit`` / ``quanto-4bit`` (and HQQ if installed): transformers' QuantizedCache.
 Plus decode time per token (batch 1, single-token steps, interleaved round-robin, median) relative
 to DynamicCache, and bytes per token.
@@ -107,7 +111,11 @@ def factories(model, recipe) -> list[dict]:
     """[{name, family, ratio (target or None), make: () -> cache}]."""
     out = [{"name": "dynamic", "family": "dynamic", "ratio": 1.0, "make": lambda: DynamicCache(config=model.config)}]
     for family, kw in recipe["contenders"].items():
-        for r in recipe["ratios"]:
+        kw = dict(kw)  # a contender may carry its own "ratios" and a factor "dtype" ("float16")
+        ratios = kw.pop("ratios", recipe["ratios"])
+        if "dtype" in kw:
+            kw["dtype"] = getattr(torch, kw["dtype"])
+        for r in ratios:
             out.append({"name": f"{family}@{r:g}", "family": family, "ratio": r,
                         "make": (lambda kw=kw, r=r: EinSortCache(model.config, rank=float(r), segment=PREFILL, residual=0, low_memory=True, **kw))})
     for family, kw in recipe.get("fp16_contenders", {}).items():
@@ -356,7 +364,7 @@ def main(argv=None):
     timed = {"dynamic": next(e for e in factories(model, recipe) if e["name"] == "dynamic")}
     for e in factories(model, recipe):
         ok = any(r["name"] == e["name"] and r.get("ppl") is not None for r in rows)
-        if ok and (e["ratio"] == recipe["timing_ratio"] or e["ratio"] is None):
+        if ok and (e["ratio"] == recipe["timing_ratio"] or e["ratio"] is None or e["name"] in recipe.get("timed", ())):
             timed[e["name"]] = e
     times: dict[str, list[float]] = {k: [] for k in timed}
     for ids in data[: recipe["timing_windows"]]:
@@ -386,7 +394,11 @@ def report(out: str) -> None:
             r["bytes_per_token_vs_dynamic"] = r["bytes_per_token"] / dyn_bpt
     families = [f for f in dict.fromkeys(r["family"] for r in rows) if f != "dynamic"]
     summary = {f: at_ratio(rows, f, 0.25) for f in families}
-    write_json(f"{out}.json", {**res, "rows": rows, "at_25_percent": summary})
+    summary20 = {f: at_ratio(rows, f, 0.20) for f in families}
+    dyn_ppl = next(r["ppl"] for r in rows if r["family"] == "dynamic")
+    for v in (*summary.values(), *summary20.values()):
+        v["vs_dynamic"] = None if v["ppl"] is None else v["ppl"] / dyn_ppl
+    write_json(f"{out}.json", {**res, "rows": rows, "at_25_percent": summary, "at_20_percent": summary20})
 
     title = (f"{setup['model']}: prefill {PREFILL}, compress, decode {DECODE} teacher-forced; "
              f"{setup['windows']} Wikipedia windows")
@@ -400,10 +412,11 @@ def report(out: str) -> None:
           markdown_table(rows, [("name", "cache", "{}"), ("bytes_ratio", "bytes / dynamic", "{:.3f}"),
                                 ("bytes_per_token", "bytes / token", "{:.0f}"), ("ppl", "ppl", "{:.3f}"),
                                 ("prefill_compress_s", "prefill+compress s", "{:.2f}"), ("note", "note", "{}")]),
-          "", "## Perplexity at 25 % of DynamicCache bytes", "",
-          markdown_table([{"family": f, **v} for f, v in summary.items()],
-                         [("family", "contender", "{}"), ("ppl", "ppl", "{:.3f}"), ("bytes_ratio", "bytes / dynamic", "{:.3f}"),
-                          ("how", "how", "{}")]),
+          *[line for pct, summ in ((20, summary20), (25, summary)) for line in (
+              "", f"## Perplexity at {pct} % of DynamicCache bytes", "",
+              markdown_table([{"family": f, **v} for f, v in summ.items()],
+                             [("family", "contender", "{}"), ("ppl", "ppl", "{:.3f}"), ("vs_dynamic", "vs dynamic", "{:.4f}"),
+                              ("bytes_ratio", "bytes / dynamic", "{:.3f}"), ("how", "how", "{}")]))],
           "", f"DynamicCache perplexity: {next(r['ppl'] for r in rows if r['family'] == 'dynamic'):.3f}", "",
           f"## Decode time per token (batch 1, single-token steps after a 64-token prefill, median of "
           f"{recipe['timing_windows']} windows, interleaved, {setup['threads']} thread(s))", "",

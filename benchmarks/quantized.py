@@ -35,7 +35,8 @@ DEFAULTS = {
     "rows": ["dense", "quanto_int8", "quanto_int4", "rtn4", "gptq4", "qlr4_r32", "qlr_bytes_0.27", "rtn4_r32",
              "qlr_bytes_0.33", "qlr_bytes_0.21", "laser0.6_f8", "qlr4_r16", "laser0.6_f4", "qlr4_r32_emb8",
              "qlr4_r32_emb4", "qlr_bytes_0.27_size", "qlr_bytes_0.27_fisher", "torchao_int8", "gptq3_search",
-             "qlr_bytes_0.27_b3", "qlr_bytes_0.21_b3", "qlr3_r16_search", "qlr_bytes_0.33_b3"],
+             "qlr_bytes_0.27_b3", "qlr_bytes_0.21_b3", "qlr3_r16_search", "qlr_bytes_0.33_b3",
+             "qlr_bytes_0.40_b3", "qlr_bytes_0.27_b348", "qlr_bytes_0.21_b348"],
     "eval_tokens": 8192,
     "calibration_samples": 32,
     "calibration_length": 256,
@@ -87,6 +88,12 @@ ROWS = {  # label -> TensorCompressionConfig fields
                           "estimate": "quantizer"},
     "qlr_bytes_0.33_b3": {"method": "qlr", "target_bytes": 0.33, "rounds": 1, "allocation": "fisher", "grid": "search",
                           "estimate": "quantizer"},
+    "qlr_bytes_0.40_b3": {"method": "qlr", "target_bytes": 0.40, "rounds": 1, "allocation": "fisher", "grid": "search",
+                          "estimate": "quantizer"},
+    "qlr_bytes_0.27_b348": {"method": "qlr", "target_bytes": 0.27, "bit_choices": [3, 4, 8], "rounds": 1,
+                            "allocation": "fisher", "grid": "search", "estimate": "quantizer"},
+    "qlr_bytes_0.21_b348": {"method": "qlr", "target_bytes": 0.21, "bit_choices": [3, 4, 8], "rounds": 1,
+                            "allocation": "fisher", "grid": "search", "estimate": "quantizer"},
 }
 
 

@@ -391,3 +391,93 @@ def test_batched_rebuild_equals_each_segment_rebuilt(network, sort, span, nonneg
     out = torch.full((3, 2, *segs[0].meta["shape"]), float("nan")).transpose(0, 1)  # strided
     assert rebuild_segments(stacked, segs[0].meta, torch.float32, out=out) is out
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# a quantized error (error_bits): the fit plus what it misses, quantized
+# ------------------------------------------------------------------------------------------------
+
+def _outlier_channels(g) -> torch.Tensor:
+    """(heads 3, tokens 16, head_dim 8) states whose channels differ in scale a thousandfold, as keys do."""
+    return torch.randn(3, 16, 8, generator=g) * torch.logspace(0, 3, 8)
+
+
+@pytest.mark.parametrize("keys", [True, False])
+def test_quantized_error_alone_is_within_half_a_step(keys):
+    """Rank 0: the segment is its quantization; every value within half a step of its group's grid, the groups
+    running along tokens (keys) or along channels (values)."""
+    from hf_tensorcomp.cache.einsort_cache import EinSortCacheSettings, compress_segment
+
+    x = _outlier_channels(torch.Generator().manual_seed(1))
+    seg = compress_segment(x, EinSortCacheSettings.build(rank=0, segment=16, sort=None, nonnegative=False, error_bits=4), keys=keys)
+    assert "cores" not in seg.tensors and seg.meta["error"] == (4, 8)
+    groups = (x.transpose(1, 2) if keys else x).reshape(-1, 8)
+    step = ((groups.amax(1) - groups.amin(1)) / 15).repeat_interleave(8)
+    err = ((seg.reconstruct() - x).transpose(1, 2) if keys else seg.reconstruct() - x).reshape(-1).abs()
+    assert (err <= step * 0.5 * (1 + 1e-2) + 1e-6).all()
+    assert seg.storage()["error"] == 3 * 16 * 8 // 2 + 3 * 16 * 8 // 8 * 3  # 4-bit codes + fp16 scale and uint8 zero per 8
+
+
+def test_quantized_error_grouping_and_bits_matter():
+    """Keys grouped along tokens beat the values' grouping on outlier channels; more bits, less error; a fit
+    underneath lowers it further."""
+    from hf_tensorcomp.cache.einsort_cache import EinSortCacheSettings, compress_segment
+
+    x = _outlier_channels(torch.Generator().manual_seed(2))
+
+    def err(keys=True, bits=4, rank=0, channels=slice(None)):
+        st = EinSortCacheSettings.build(rank=rank, segment=16, sort=None, nonnegative=False, error_bits=bits)
+        return rel_err(compress_segment(x, st, keys=keys).reconstruct()[..., channels], x[..., channels])
+
+    small = slice(0, 4)  # the small channels: lost in a token's group beside the large ones
+    assert err(keys=True, channels=small) < 0.1 * err(keys=False, channels=small)
+    errs = [err(bits=b) for b in (2, 3, 4, 8)]
+    assert errs == sorted(errs, reverse=True) and errs[-1] < 1e-2
+    assert err(bits=3, rank=2) < err(bits=3, rank=0)
+
+
+def test_quantized_error_in_the_cache_matches_each_segment_and_the_budget(llama, padded):
+    """The batched rebuild (fit + de-quantized error for keys and values) equals each packed segment's own
+    reconstruction; a float rank counts the error's bytes first."""
+    cache = EinSortCache(llama.config, rank=0.5, segment=8, residual=0, sort=None, nonnegative=False, error_bits=3)
+    llama(**padded, past_key_values=cache)
+    layer = cache.layers[0]
+    k, v = layer.reconstruct()
+    for b, row in enumerate(layer.segments):
+        for j, (ks, vs) in enumerate(row):
+            assert ks.keys and not vs.keys
+            torch.testing.assert_close(k[b, :, 8 * j: 8 * (j + 1)], ks.reconstruct(), rtol=0, atol=1e-5)
+            torch.testing.assert_close(v[b, :, 8 * j: 8 * (j + 1)], vs.reconstruct(), rtol=0, atol=1e-5)
+            assert ks.nbytes() <= 0.5 * 4 * ks.shape[0] * ks.shape[1] * ks.shape[2]
+            assert ks.storage()["factors"] > 0 and ks.storage()["error"] > 0
+    parts = cache.storage()
+    assert parts["error"] > 0 and parts["total"] == nbytes_of(held_tensors(cache.layers))
+    assert rel_err(k, layer_dense(llama, padded)[0][:, :, : k.shape[-2]]) < 0.1
+
+
+def layer_dense(llama, padded):
+    dyn = DynamicCache(config=llama.config)
+    llama(**padded, past_key_values=dyn)
+    return dyn.layers[0].keys, dyn.layers[0].values
+
+
+def test_eight_bit_error_keeps_generation(llama, padded):
+    """8-bit quantization alone (rank 0) changes a greedy generation of the tiny model by nothing."""
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = llama.generate(**padded, **kw)
+    cache = EinSortCache(llama.config, rank=0, segment=4, residual=2, sort=None, nonnegative=False, error_bits=8)
+    assert torch.equal(llama.generate(**padded, past_key_values=cache, **kw), ref)
+    assert cache.storage()["factors"] == 0 and cache.nbytes() < 0.6 * cache.dense_nbytes()  # groups of 4 here: 0.44 + window
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(error_bits=5), "error_bits"), (dict(error_bits="4"), "error_bits"), (dict(rank=0, error_bits=None), "rank"),
+])
+def test_bad_error_settings_name_the_field(llama, kwargs, field):
+    with pytest.raises(ValueError, match=rf"EinSortCache\.{field}: got .*; allowed: "):
+        EinSortCache(llama.config, **kwargs)
+
+
+def test_budget_below_the_quantized_error_fails_at_construction(llama):
+    with pytest.raises(ValueError, match=r"EinSortCache\.rank: got 0\.1; allowed: a byte fraction >= .*its error at 4 bits"):
+        EinSortCache(llama.config, rank=0.1, segment=4, error_bits=4)

@@ -240,19 +240,24 @@ needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="this PyTo
 
 @needs_kernel
 @pytest.mark.parametrize("out_f, in_f, group, bits", [(48, 128, 32, 4), (48, 576, 128, 4), (64, 256, 64, 4),
-                                                     (48, 576, 128, 3), (64, 256, 64, 2)])
+                                                     (48, 576, 128, 3), (64, 256, 64, 2), (48, 576, 128, 8),
+                                                     (32, 100, 32, 8)])
 def test_int4_kernel_computes_the_dequantized_product(out_f, in_f, group, bits):
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(out_f, in_f, generator=g), torch.randn(5, 3, in_f, generator=g)
-    q = quantize_rtn(w, bits, group)  # 2- and 3-bit codes are 4-bit codes using part of the range
+    q = quantize_rtn(w, bits, group)  # 2- and 3-bit codes are 4-bit codes using part of the range; 8: two calls
     kernel = Int4Kernel.build(q)
     assert kernel is not None and kernel.padded % group == 0  # 576 = 4.5 groups of 128: the short group padded
+    assert len(kernel.parts) == (2 if bits == 8 else 1)
     ref = x.bfloat16().float() @ q.dequantize().T  # the same product in float32
     y = kernel(x.bfloat16())
     assert y.shape == (5, 3, out_f) and y.dtype == torch.bfloat16
     assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()  # bfloat16 rounding of scales and output only
-    assert Int4Kernel.build(quantize_rtn(w, 8, group)) is None and Int4Kernel.build(quantize_rtn(w, 4, 48)) is None
-    assert Int4Kernel.build(quantize_rtn(w[:40], 4, group)) is None  # the kernel needs rows in multiples of 16
+    if bits == 8:  # two calls, each rounded to bfloat16: within twice a bfloat16 product's error of the float32 one
+        bf16 = torch.nn.functional.linear(x.bfloat16(), q.dequantize().bfloat16()).float()
+        assert (y.float() - ref).abs().max() <= 2 * (bf16 - ref).abs().max()
+    assert Int4Kernel.build(quantize_rtn(w, 4, 48)) is None
+    assert Int4Kernel.build(quantize_rtn(w[: out_f - 8], 4, group)) is None  # the kernel needs rows in multiples of 16
 
 
 @needs_kernel

@@ -84,6 +84,7 @@ from transformers.cache_utils import (
 
 from ..validation import is_int
 from ..decompositions import einsort
+from ..decompositions.quantize import BITS, code_bytes, pack, quantize_rtn, unpack
 from ..decompositions.tensor_networks import BLOCK_IDENTITY_NETWORKS, GAUGES, NETWORKS, equation, index_bits
 
 SORTS = ("shared", "full", None)
@@ -113,16 +114,21 @@ class EinSortCacheSettings:
     steps: int = 0
     n_iter_max: int = 100
     low_memory: bool = True
+    error_bits: int | None = None
 
     @classmethod
     def build(cls, network="svd", rank=8, segment=64, residual=64, sort="shared", sort_span="channel",
               nonnegative=True, mapping=("pow", 0.5), reduction="prod", gauge="auto", dtype=None, steps=0,
-              n_iter_max=100, low_memory=True) -> "EinSortCacheSettings":
+              n_iter_max=100, low_memory=True, error_bits=None) -> "EinSortCacheSettings":
         if network not in NETWORKS:
             fail("network", network, " | ".join(map(repr, NETWORKS)))
+        if error_bits is not None and (not is_int(error_bits) or error_bits not in BITS):
+            fail("error_bits", error_bits, "None (the factors alone) | " + " | ".join(map(str, BITS))
+                 + " (the fit's error quantized at that many bits)")
         if is_int(rank):
-            if rank < 1:
-                fail("rank", rank, "an int >= 1 (every bond, capped at the full rank) or a float byte fraction in (0, 1]")
+            if rank < (0 if error_bits else 1):
+                fail("rank", rank, "an int >= 1 (every bond, capped at the full rank; 0 too with error_bits: "
+                     "quantization alone) or a float byte fraction in (0, 1]")
         elif isinstance(rank, float):
             if not 0.0 < rank <= 1.0:
                 fail("rank", rank, "an int >= 1 or a float byte fraction in (0, 1] (of each segment's dense bytes)")
@@ -163,7 +169,7 @@ class EinSortCacheSettings:
                  "bytes) | False (also keep each rebuilt segment: faster, but more bytes than DynamicCache)")
         return cls(network=network, rank=rank, segment=segment, residual=residual, sort=sort, sort_span=sort_span,
                    nonnegative=nonnegative, mapping=mapping, reduction=reduction, gauge=gauge, dtype=dtype,
-                   steps=steps, n_iter_max=n_iter_max, low_memory=low_memory)
+                   steps=steps, n_iter_max=n_iter_max, low_memory=low_memory, error_bits=error_bits)
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,23 +177,30 @@ class EinSortCacheSettings:
 # --------------------------------------------------------------------------------------------
 
 class PackedSegment:
-    """One compressed (heads, tokens, head_dim) block, held exactly as `EinSortTensor.to_dict` packs it."""
+    """One compressed (heads, tokens, head_dim) block, held exactly as `EinSortTensor.to_dict` packs it
+    (no factors at rank 0), plus, with ``error_bits``, the fit's error quantized (`ERROR_PARTS`; grouped
+    along the tokens of each channel for keys, along the channels of each token for values: ``keys``)."""
 
-    __slots__ = ("tensors", "meta", "shape")
+    __slots__ = ("tensors", "meta", "shape", "keys")
 
-    def __init__(self, tensors: dict[str, torch.Tensor], meta: dict, shape: tuple[int, int, int]):
+    def __init__(self, tensors: dict[str, torch.Tensor], meta: dict, shape: tuple[int, int, int], keys: bool = True):
         self.tensors = tensors
         self.meta = meta
         self.shape = shape
+        self.keys = keys
 
     def reconstruct(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return einsort.EinSortTensor.from_dict(self.tensors, self.meta).reconstruct(dtype).reshape(self.shape)
+        if "cores" in self.tensors:
+            fit = {k: t for k, t in self.tensors.items() if k not in ERROR_PARTS}
+            x = einsort.EinSortTensor.from_dict(fit, self.meta).reconstruct(dtype).reshape(self.shape)
+        else:
+            x = torch.zeros(self.shape, dtype=dtype or torch.float32, device=self.tensors["ecodes"].device)
+        if self.meta.get("error"):
+            x = x + _error(self.tensors, self.meta["error"], self.shape, self.keys).to(x.dtype)
+        return x
 
     def storage(self) -> dict[str, int]:
-        parts = {"factors": 0, "pivots": 0, "perm": 0, "signs": 0}
-        for k, t in self.tensors.items():
-            parts["factors" if k == "cores" else k] += t.numel() * t.element_size()
-        return parts
+        return _storage(self.tensors)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -209,15 +222,74 @@ def _segment_layout(h: int, t: int, d: int, settings: EinSortCacheSettings):
     return view, None if settings.sort is None else sort_axis, 0 if settings.sort == "shared" else None, fold
 
 
+ERROR_PARTS = ("ecodes", "escale", "ezero")  # the quantized error: packed codes, float16 scales, uint8 zero points
+ERROR_GROUP = 64  # at most this many values share a scale and zero point
+
+
+def error_layout(shape: tuple[int, int, int], bits: int) -> tuple[int, int]:
+    """(group size, stored bytes) of an (h, t, d) segment's quantized error: groups of ``gcd(t, d, 64)`` values,
+    so the keys' groups (along tokens) and the values' (along channels) are as many and stack alike."""
+    h, t, d = shape
+    g = math.gcd(t, d, ERROR_GROUP)
+    n = h * t * d
+    return g, code_bytes(n, bits) + (n // g) * 3
+
+
+def _quantize_error(e: torch.Tensor, bits: int, group: int, keys: bool) -> dict[str, torch.Tensor]:
+    """An (h, t, d) error as `ERROR_PARTS`: per group of `group` values, round to nearest on a min-max grid.
+    Keys are grouped along the tokens of each channel (their channels differ in scale by orders of magnitude:
+    KIVI, Liu et al. 2024), values along the channels of each token."""
+    rows = (e.transpose(1, 2) if keys else e).reshape(-1, group)
+    q = quantize_rtn(rows, bits, group)
+    return {"ecodes": pack(q.codes, bits), "escale": q.scale, "ezero": q.zero}
+
+
+def _error(tensors: dict[str, torch.Tensor], spec: tuple[int, int], shape, keys: bool) -> torch.Tensor:
+    """The quantized errors of `tensors` (parts of shape (*batch, length)) de-quantized: (*batch, h, t, d), float32."""
+    bits, group = spec
+    h, t, d = shape
+    codes, scale, zero = (tensors[k] for k in ERROR_PARTS)
+    batch = codes.shape[:-1]
+    n = h * t * d
+    rows = codes.reshape(-1, codes.shape[-1])
+    if (n * bits) % 8 == 0 and (8 % bits == 0 or rows.shape[-1] % bits == 0):  # rows end on whole packing units
+        c = unpack(rows.reshape(-1), bits).view(rows.shape[0], -1)
+    else:
+        c = torch.stack([unpack(r, bits)[:n] for r in rows])
+    c = c[:, :n]
+    x = (c.float().view(-1, n // group, group) - zero.reshape(-1, n // group, 1).float()) * scale.reshape(-1, n // group, 1).float()
+    x = x.view(*batch, h, d, t).transpose(-1, -2) if keys else x.view(*batch, h, t, d)
+    return x
+
+
+def _storage(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Bytes by part: factors (the cores), pivots, perm, signs, error (the quantized error's parts)."""
+    parts = {"factors": 0, "pivots": 0, "perm": 0, "signs": 0, "error": 0}
+    for k, t in tensors.items():
+        parts["factors" if k == "cores" else "error" if k in ERROR_PARTS else k] += t.numel() * t.element_size()
+    return parts
+
+
 def segment_rank(shape: tuple[int, int, int], dtype: torch.dtype, settings: EinSortCacheSettings):
-    """The rank a (heads, tokens, head_dim) segment of states of `dtype` is fitted at; raises if the budget cannot hold it."""
+    """The rank a (heads, tokens, head_dim) segment of states of `dtype` is fitted at (0: no factors, the
+    quantized error alone); raises if the budget cannot hold it."""
     rank = settings.rank
     if isinstance(rank, float):  # a budget in bytes of the segment at the *states'* dtype (einsort.fit's is at the factor dtype)
         view, sort_axis, reduce_over, fold = _segment_layout(*shape, settings)
         factor_dtype = settings.dtype or dtype
         overhead = einsort.overhead_bytes(view, sort_axis, reduce_over, settings.nonnegative)
         dense = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        rank = einsort.rank_for_budget(int(rank * dense), settings.network, fold, settings.gauge, factor_dtype, overhead)
+        budget = int(rank * dense)
+        if settings.error_bits:
+            err = error_layout(shape, settings.error_bits)[1]
+            if err > budget:
+                fail("rank", settings.rank, f"a byte fraction >= {err / dense:.4f} for a {shape[0]} x {shape[1]} x {shape[2]} "
+                     f"segment of {str(dtype).removeprefix('torch.')} states: its error at {settings.error_bits} bits "
+                     f"alone takes {err} of its {dense} dense bytes")
+            budget -= err
+            rank = einsort.rank_for_budget(budget, settings.network, fold, settings.gauge, factor_dtype, overhead)
+            return rank or 0
+        rank = einsort.rank_for_budget(budget, settings.network, fold, settings.gauge, factor_dtype, overhead)
         if rank is None:
             least = overhead + einsort.network_bytes(settings.network, fold, 1, settings.gauge, factor_dtype)
             fail("rank", settings.rank, f"a byte fraction >= {least / dense:.4f} for a {shape[0]} x {shape[1]} x {shape[2]} "
@@ -226,19 +298,29 @@ def segment_rank(shape: tuple[int, int, int], dtype: torch.dtype, settings: EinS
     return rank
 
 
-def compress_segment(x: torch.Tensor, settings: EinSortCacheSettings) -> PackedSegment:
-    """Compress one batch row's segment ``x`` (kv_heads, tokens, head_dim) with `einsort.fit`."""
+def compress_segment(x: torch.Tensor, settings: EinSortCacheSettings, keys: bool = True) -> PackedSegment:
+    """Compress one batch row's segment ``x`` (kv_heads, tokens, head_dim) with `einsort.fit`; with
+    ``error_bits``, what the fit misses (all of ``x`` at rank 0) is quantized too (`_quantize_error`;
+    `keys`: which grouping)."""
     h, t, d = x.shape
     view, sort_axis, reduce_over, fold = _segment_layout(h, t, d, settings)
     sorted_view = x.reshape(view)
     factor_dtype = settings.dtype or x.dtype
     rank = segment_rank((h, t, d), x.dtype, settings)
-    approx = einsort.fit(sorted_view, settings.network, rank, sort_axis=sort_axis, reduce_over=reduce_over,
-                         mapping=settings.mapping, reduction=settings.reduction, nonnegative=settings.nonnegative,
-                         gauge=settings.gauge, fold=fold, dtype=factor_dtype, steps=settings.steps,
-                         n_iter_max=settings.n_iter_max)
-    tensors, meta = approx.to_dict()
-    return PackedSegment(tensors, meta, (h, t, d))
+    tensors, meta = {}, {"shape": list(view)}
+    if rank:
+        approx = einsort.fit(sorted_view, settings.network, rank, sort_axis=sort_axis, reduce_over=reduce_over,
+                             mapping=settings.mapping, reduction=settings.reduction, nonnegative=settings.nonnegative,
+                             gauge=settings.gauge, fold=fold, dtype=factor_dtype, steps=settings.steps,
+                             n_iter_max=settings.n_iter_max)
+        tensors, meta = approx.to_dict()
+    seg = PackedSegment(tensors, meta, (h, t, d), keys)
+    if settings.error_bits:
+        group = error_layout((h, t, d), settings.error_bits)[0]
+        fitted = seg.reconstruct(x.dtype).float() if rank else 0.0
+        tensors.update(_quantize_error(x.float() - fitted, settings.error_bits, group, keys))
+        meta["error"] = (settings.error_bits, group)
+    return seg
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,7 +544,7 @@ class EinSortLayer(DynamicLayer):
     # -- reading ------------------------------------------------------------------------------
     @property
     def n_segments(self) -> int:
-        return self.packed["cores"].shape[1] if self.packed else 0
+        return next(iter(self.packed.values())).shape[1] if self.packed else 0
 
     @property
     def compressed_length(self) -> int:
@@ -473,18 +555,28 @@ class EinSortLayer(DynamicLayer):
         """Per batch row, its ``(key_segment, value_segment)`` pairs, oldest first (views of `packed`)."""
         if not self.packed:
             return [[] for _ in range(self.keys.shape[0])] if self.is_initialized and self.keys.ndim == 4 else []
-        b, n = self.packed["cores"].shape[:2]
-        h, seg = self.meta["shape"][0], self.settings.segment
-        shape = (h, seg, math.prod(self.meta["shape"]) // (h * seg))
-        return [[tuple(PackedSegment({k: t[i, j, s] for k, t in self.packed.items()}, self.meta, shape) for s in (0, 1))
+        b, n = next(iter(self.packed.values())).shape[:2]
+        shape = self._segment_shape()
+        return [[tuple(PackedSegment({k: t[i, j, s] for k, t in self.packed.items()}, self.meta, shape, s == 0) for s in (0, 1))
                  for j in range(n)] for i in range(b)]
+
+    def _segment_shape(self) -> tuple[int, int, int]:
+        h, seg = self.meta["shape"][0], self.settings.segment
+        return h, seg, math.prod(self.meta["shape"]) // (h * seg)
 
     def _rebuild_into(self, dest: torch.Tensor, start: int = 0) -> None:
         """Segments ``start:`` of every row rebuilt into ``dest``: (2 — keys, values —, batch, kv_heads, tokens, head_dim)."""
-        b, n = self.packed["cores"].shape[:2]
-        view = dest.unflatten(3, (n - start, self.settings.segment)).permute(1, 3, 0, 2, 4, 5)
-        view = view.view(b, n - start, 2, *self.meta["shape"])  # (batch, segments, k/v, the fitted view): a view, never a copy
-        rebuild_segments({k: t[:, start:] for k, t in self.packed.items()}, self.meta, self.dtype, out=view)
+        b, n = next(iter(self.packed.values())).shape[:2]
+        view = dest.unflatten(3, (n - start, self.settings.segment)).permute(1, 3, 0, 2, 4, 5)  # (batch, segments, k/v, h, t, d)
+        packed = {k: t[:, start:] for k, t in self.packed.items()}
+        if "cores" in packed:  # the fitted view of each segment: a view, never a copy
+            rebuild_segments(packed, self.meta, self.dtype, out=view.view(b, n - start, 2, *self.meta["shape"]))
+        else:
+            view.zero_()
+        if "error" in self.meta:
+            for s in (0, 1):
+                view[:, :, s] += _error({k: packed[k][:, :, s] for k in ERROR_PARTS}, self.meta["error"],
+                                        self._segment_shape(), s == 0).to(view.dtype)
 
     def _new_states(self, tokens: int) -> torch.Tensor:
         return self.keys.new_empty(2, self.keys.shape[0], self.keys.shape[1], tokens, self.keys.shape[-1])
@@ -513,8 +605,8 @@ class EinSortLayer(DynamicLayer):
         seg = self.settings.segment
         new = []  # [row][segment] -> (key PackedSegment, value PackedSegment)
         for b in range(window_k.shape[0]):
-            new.append([(compress_segment(window_k[b, :, i * seg: (i + 1) * seg], self.settings),
-                         compress_segment(window_v[b, :, i * seg: (i + 1) * seg], self.settings)) for i in range(n)])
+            new.append([(compress_segment(window_k[b, :, i * seg: (i + 1) * seg], self.settings, keys=True),
+                         compress_segment(window_v[b, :, i * seg: (i + 1) * seg], self.settings, keys=False)) for i in range(n)])
         for row in new:
             for pair in row:
                 for s in pair:
@@ -563,10 +655,8 @@ class EinSortLayer(DynamicLayer):
 
     # -- storage --------------------------------------------------------------------------------
     def storage(self) -> dict[str, int]:
-        """Bytes held: factors, pivots, perm, signs (packed), the full-precision window, the rebuilt segments."""
-        parts = {"factors": 0, "pivots": 0, "perm": 0, "signs": 0}
-        for k, t in self.packed.items():
-            parts["factors" if k == "cores" else k] += t.numel() * t.element_size()
+        """Bytes held: factors, pivots, perm, signs, error (packed), the full-precision window, the rebuilt segments."""
+        parts = _storage(self.packed)
         parts["window"] = 0
         if self.is_initialized:
             parts["window"] = sum(t.numel() * t.element_size() for t in (self.keys, self.values))
@@ -688,6 +778,11 @@ class EinSortCache(Cache):
             length like attention itself). False: each segment is also kept rebuilt once attention
             first needs it (time per token like `DynamicCache`, but the cache then holds the packed
             and the rebuilt states, *more* bytes than `DynamicCache`; only for speed comparisons).
+        error_bits: None (default: the factors alone) or 2 / 3 / 4 / 8: what the factors miss is also
+            kept, quantized at that many bits (round to nearest, a float16 scale and an integer zero point
+            per 64 values: keys grouped along the tokens of each channel, values along the channels of each
+            token, as KIVI). A float ``rank`` then counts those bytes first and fits the largest rank the
+            rest holds — 0 (quantization alone) when it holds none; an int ``rank`` may be 0.
 
     A float ``rank`` too small for one segment (the permutation and sign bits alone exceed it) fails
     here, computed for the config's KV heads and head_dim at the config's dtype (float32 if unset);
@@ -697,11 +792,13 @@ class EinSortCache(Cache):
     def __init__(self, config=None, network: str = "svd", rank: int | float = 8, segment: int = 64, residual: int = 64,
                  *, sort: str | None = "shared", sort_span: str = "channel", nonnegative: bool = True,
                  mapping=("pow", 0.5), reduction: str = "prod", gauge: str | None = "auto",
-                 dtype: torch.dtype | None = None, steps: int = 0, n_iter_max: int = 100, low_memory: bool = True):
+                 dtype: torch.dtype | None = None, steps: int = 0, n_iter_max: int = 100, low_memory: bool = True,
+                 error_bits: int | None = None):
         self.settings = EinSortCacheSettings.build(network=network, rank=rank, segment=segment, residual=residual,
                                                    sort=sort, sort_span=sort_span, nonnegative=nonnegative,
                                                    mapping=mapping, reduction=reduction, gauge=gauge, dtype=dtype,
-                                                   steps=steps, n_iter_max=n_iter_max, low_memory=low_memory)
+                                                   steps=steps, n_iter_max=n_iter_max, low_memory=low_memory,
+                                                   error_bits=error_bits)
         if config is None:
             super().__init__(layer_class_to_replicate=functools.partial(EinSortLayer, self.settings))
             return
@@ -730,8 +827,8 @@ class EinSortCache(Cache):
         return [i for i, layer in enumerate(self.layers) if isinstance(layer, EinSortLayer)]
 
     def storage(self) -> dict[str, int]:
-        """Bytes held, by part: factors, pivots, perm, signs, window, rebuilt (EinSort layers), other_layers, total."""
-        parts = {"factors": 0, "pivots": 0, "perm": 0, "signs": 0, "window": 0, "rebuilt": 0, "other_layers": 0}
+        """Bytes held, by part: factors, pivots, perm, signs, error, window, rebuilt (EinSort layers), other_layers, total."""
+        parts = {**_storage({}), "window": 0, "rebuilt": 0, "other_layers": 0}
         for layer in self.layers:
             if isinstance(layer, EinSortLayer):
                 for k, v in layer.storage().items():

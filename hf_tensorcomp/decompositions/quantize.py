@@ -239,25 +239,28 @@ def int4_kernel_available() -> bool:
 
 @dataclass
 class Int4Kernel:
-    """A 4-bit (out x in) `QTensor` in the layout of ``torch.ops.aten._weight_int4pack_mm_for_cpu``; 2- and
-    3-bit codes too, which are 4-bit codes that use part of the range (same scale and zero point; held
-    at 4 bits in memory while the stored form stays packed at its width).
+    """A quantized (out x in) `QTensor` in the layout of ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
 
-    That kernel computes ``x @ ((c - 8) * s + z)ᵀ`` per group; ours is ``(c - zero) * s``, so ``z = (8 - zero) * s``
-    (exact in float32; the kernel reads scales and offsets in bfloat16, like its activations). A short
-    last group is padded to a whole one with codes equal to its zero point (weight 0) and the input with
-    zeros, so the product is unchanged.
+    4-bit codes are one kernel call; 2- and 3-bit codes too (4-bit codes that use part of the range: same
+    scale and zero point, held at 4 bits in memory while the stored form stays packed at its width).
+    8-bit codes are two calls, one on each nibble: ``c - zero = 16 (hi - zero_hi) + (lo - zero_lo)`` with
+    ``hi, lo = c >> 4, c & 15`` (same bytes in memory as the 8-bit codes; PyTorch's own int8 kernel takes
+    one scale per row, not per group).
+
+    That kernel computes ``x @ ((c - 8) * s + z)ᵀ`` per group; a part ``(c - zero) * s`` is ``z = (8 - zero) * s``
+    (exact in float32; the kernel reads scales and offsets in bfloat16, like its activations: a weight is then
+    as precise as a bfloat16 one). A short last group is padded to a whole one with codes equal to its zero
+    point (weight 0) and the input with zeros, so the product is unchanged.
     """
 
-    packed: torch.Tensor
-    scales_zeros: torch.Tensor  # (groups per row, out, 2) bfloat16
+    parts: list[tuple[torch.Tensor, torch.Tensor]]  # per call: packed codes, (groups per row, out, 2) bfloat16
     in_features: int
     padded: int
     group_size: int
 
     @classmethod
     def build(cls, q: QTensor) -> "Int4Kernel | None":
-        if q.bits > 4 or q.group_size not in KERNEL_GROUPS or len(q.shape) != 2 or not int4_kernel_available():
+        if q.bits not in BITS or q.group_size not in KERNEL_GROUPS or len(q.shape) != 2 or not int4_kernel_available():
             return None
         out_f, in_f = q.shape
         if out_f % 16:  # the kernel's packing needs rows in multiples of 16
@@ -269,12 +272,16 @@ class Int4Kernel:
         if in_f % g:
             codes = torch.cat([codes, zero[:, -1:].expand(out_f, per_row * g - in_f)], 1)
         scale = q.scale.view(out_f, per_row).float()
-        sz = torch.stack([scale, (8 - zero).float() * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        try:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        except RuntimeError:
-            return None
-        return cls(packed, sz, in_f, per_row * g, g)
+        # (codes, zero point, scale) per kernel call
+        nibbles = [(codes, zero, scale)] if q.bits <= 4 else [(codes >> 4, zero >> 4, scale * 16), (codes & 15, zero & 15, scale)]
+        parts = []
+        for c, z, s in nibbles:
+            sz = torch.stack([s, (8 - z).float() * s], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            try:
+                parts.append((torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1), sz))
+            except RuntimeError:
+                return None
+        return cls(parts, in_f, per_row * g, g)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ Wᵀ`` for bfloat16 ``x`` (..., in_features)."""
@@ -282,5 +289,9 @@ class Int4Kernel:
         x2 = x.reshape(-1, self.in_features)
         if self.padded != self.in_features:
             x2 = torch.nn.functional.pad(x2, (0, self.padded - self.in_features))
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size, self.scales_zeros)
+        x2 = x2.contiguous()
+        y = None
+        for packed, sz in self.parts:
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, sz)
+            y = part if y is None else y.add_(part)
         return y.reshape(*lead, -1)

@@ -153,15 +153,15 @@ class FactorizedModule(nn.Module):
         return out
 
     def factor_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, <factor name>, bias)``. A factor stored at 4 bits or fewer runs through PyTorch's CPU int4
-        kernel (`quantize.Int4Kernel`) when the activations are on CPU and no gradient flows to them:
+        """``F.linear(x, <factor name>, bias)``. A quantized factor runs through PyTorch's CPU int4 kernel
+        (`quantize.Int4Kernel`; 8-bit codes as two calls, one per nibble) when the activations are on CPU and no gradient flows to them:
         bfloat16 activations as they are, float32 ones rounded to bfloat16 for the product (the kernel's
         only input type; the result is cast back) — faster than the float32 dense product it replaces,
         where de-quantizing at every call is several times slower. Otherwise (and where the kernel is
         missing or refuses the shape, or while `train_scales` trains the scales) on its de-quantized
         value, exactly."""
         q = self.__dict__.get("_qfactors", {}).get(name)
-        if (q is not None and q[0] <= 4 and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+        if (q is not None and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
                 and not (torch.is_grad_enabled() and x.requires_grad) and f"{name}_scale" not in self._parameters):
             kernel = self._int4_kernel(name)
             if kernel is not None:
@@ -170,7 +170,7 @@ class FactorizedModule(nn.Module):
         return F.linear(x, getattr(self, name), bias)
 
     def _int4_kernel(self, name: str) -> Int4Kernel | None:
-        """The kernel layout of a 4-bit factor, built on first use and rebuilt when its buffers change
+        """The kernel layout of a quantized factor, built on first use and rebuilt when its buffers change
         (a load, a move); not part of the state dict."""
         parts = [self._buffers[n] for n in (name, f"{name}_scale", f"{name}_zero")]
         if any(t.device.type != "cpu" for t in parts):
