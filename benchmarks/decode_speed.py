@@ -22,7 +22,7 @@ from common import _without_inference_mode, bench_main, child_setup, decode_toke
 NAME = "decode_speed"
 DEFAULTS = {
     "models": ["smollm2", "gemma3"],
-    "rows": ["dense", "quanto_int4", "rtn4", "rtn4_r32", "bytes0.27", "bytes0.27_b34"],
+    "rows": ["dense", "quanto_int4", "rtn4", "rtn4_r32", "bytes0.27", "bytes0.27_b34", "bytes0.33"],
     "group_size": 128,
     "calibration_samples": 32,
     "calibration_length": 256,
@@ -31,8 +31,9 @@ DEFAULTS = {
 ROWS = {
     "rtn4": {"method": "qlr", "rank": 0, "quantizer": "rtn", "whiten": False},
     "rtn4_r32": {"method": "qlr", "rank": 32, "quantizer": "rtn", "rounds": 1},
-    # a byte budget's mix of widths and ranks (2, 3, 4 bits run the int4 kernel, 8 bits de-quantize per call)
+    # a byte budget's mix of widths and ranks (2, 3, 4 bits run the int4 kernel, 8 bits two calls of it)
     "bytes0.27": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher"},
+    "bytes0.33": {"method": "qlr", "target_bytes": 0.33, "quantizer": "rtn", "rounds": 1, "allocation": "fisher"},
     "bytes0.27_b34": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",
                       "bit_choices": [3, 4]},
 }
@@ -95,7 +96,8 @@ def header(cfg: dict) -> str:
             f"{cfg['group_size']}; one child process per model and row. `rtn4`: hf_tensorcomp's 4-bit codes "
             "(`qlr`, rank 0); `rtn4_r32`: plus a rank-32 whitened correction; `bytes0.27`: `target_bytes=0.27` "
             "(Fisher allocation over 2, 3, 4 and 8 bits and ranks, round to nearest), `bytes0.27_b34`: the same over 3 "
-            "and 4 bits. Written by benchmarks/decode_speed.py.\n\n")
+            "and 4 bits; `bytes0.33`: `target_bytes=0.33` over 2, 3, 4 and 8 bits. 2-, 3- and 4-bit codes run PyTorch's CPU "
+            "int4 kernel, 8-bit codes two calls of it (one per nibble). Written by benchmarks/decode_speed.py.\n\n")
 
 
 if __name__ == "__main__":

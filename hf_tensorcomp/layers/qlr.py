@@ -4,7 +4,7 @@ The shape of a quantized base with a LoRA adapter (EoRA, QERA, LQ-LoRA, CALDERA)
 the integer codes of Q(W) (packed, with its per-group ``weight_scale`` / ``weight_zero``, see
 `FactorizedModule.quantize_factors`), ``lora_A`` (rank x in) and ``lora_B`` (out x rank) the
 correction, in the model's dtype or quantized too (``factor_bits``). The forward dequantizes Q(W)
-on the fly, or runs PyTorch's CPU int4 kernel at 2-4 bits (`FactorizedModule.factor_linear`); the
+on the fly, or runs PyTorch's CPU int4 kernel (8 bits as two calls; `FactorizedModule.factor_linear`); the
 correction costs 2 r (in + out) flops per token (in float32 on CPU at inference, also in a bfloat16 model).
 """
 

@@ -90,7 +90,7 @@ class QuantizedLowRank(Method):
             if (t is None or not isinstance(c, (list, tuple)) or not c or len(set(c)) != len(c)
                     or any(isinstance(b, bool) or b not in BITS for b in c)):
                 fail("bit_choices", c, f"None (every width: {', '.join(map(str, BITS))}), or with target_bytes= a list of "
-                     "distinct widths from those (e.g. [3, 4]: widths the CPU int4 kernel runs, no 2-bit matrices)")
+                     "distinct widths from those (e.g. [3, 4]: one int4 kernel call per matrix, no 2-bit matrices)")
             o["bit_choices"] = sorted(c)
         return o
 
