@@ -36,7 +36,7 @@ DEFAULTS = {
              "qlr_bytes_0.33", "qlr_bytes_0.21", "laser0.6_f8", "qlr4_r16", "laser0.6_f4", "qlr4_r32_emb8",
              "qlr4_r32_emb4", "qlr_bytes_0.27_size", "qlr_bytes_0.27_fisher", "torchao_int8", "gptq3_search",
              "qlr_bytes_0.27_b3", "qlr_bytes_0.21_b3", "qlr3_r16_search", "qlr_bytes_0.33_b3",
-             "qlr_bytes_0.40_b3", "qlr_bytes_0.27_b348", "qlr_bytes_0.21_b348"],
+             "qlr_bytes_0.40_b3", "qlr_bytes_0.27_b348", "qlr_bytes_0.21_b348", "qlr_bytes_0.27_b48"],
     "eval_tokens": 8192,
     "calibration_samples": 32,
     "calibration_length": 256,
@@ -94,6 +94,8 @@ ROWS = {  # label -> TensorCompressionConfig fields
                             "allocation": "fisher", "grid": "search", "estimate": "quantizer"},
     "qlr_bytes_0.21_b348": {"method": "qlr", "target_bytes": 0.21, "bit_choices": [3, 4, 8], "rounds": 1,
                             "allocation": "fisher", "grid": "search", "estimate": "quantizer"},
+    "qlr_bytes_0.27_b48": {"method": "qlr", "target_bytes": 0.27, "bit_choices": [4, 8], "rounds": 1,
+                           "allocation": "fisher", "grid": "search", "estimate": "quantizer"},
 }
 
 
@@ -217,6 +219,15 @@ def _one(job: dict, q) -> None:
         row["bits"] = sorted({m["bits"] for m in mods if "bits" in m})
         row["mean_rank"] = round(sum(m.get("rank", 0) for m in mods) / max(len(mods), 1), 1)
         row["embedding_bits"] = next((m["bits"] for m in mods if m.get("method") == "embedding"), None)
+        # per projection kind (q_proj, ..., down_proj): how many matrices at each width, and the mean rank
+        kinds: dict[str, dict] = {}
+        for name, m in st["modules"].items():
+            if "bits" in m and m.get("method") != "embedding":
+                k = kinds.setdefault(name.rsplit(".", 1)[-1], {"bits": {}, "ranks": []})
+                k["bits"][str(m["bits"])] = k["bits"].get(str(m["bits"]), 0) + 1
+                k["ranks"].append(m.get("rank", 0))
+        row["by_kind"] = {k: {"bits": v["bits"], "mean_rank": round(sum(v["ranks"]) / len(v["ranks"]), 1)}
+                          for k, v in sorted(kinds.items())}
     row["compress_s"] = round(time.perf_counter() - t0, 1)
     model.eval()
     stored, dense = _linear_bytes(model)

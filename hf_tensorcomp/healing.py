@@ -197,18 +197,30 @@ def adam_step(opt: torch.optim.Optimizer, loss: torch.Tensor, relative: Relative
         relative.apply()
 
 
+PRECISIONS = ("float32", "bfloat16")
+
+
+def _autocast(device: torch.device, precision: str):
+    """The context the training forwards run in: bfloat16 autocast for ``precision="bfloat16"`` (matrix
+    products in bfloat16, reductions and the loss in float32), nothing for ``"float32"``. On a CPU with
+    native bfloat16 products (AVX512-BF16 / AMX) a SmolLM2 step (4 x 256 tokens, forward and backward)
+    took 10-11 s against 18-21 s in float32, one thread."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16")
+
+
 @torch.enable_grad()
 def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr: float = 1e-4, batch_size: int = 4,
             seed: int = 0, warmup: float = 0.1, schedule: bool = True, shuffle: bool = True, lm_weight: float = 0.0,
             held_out: torch.Tensor | None = None, eval_every: int = 25, train_mode: bool = False, relative: bool = False,
-            progress: bool = True, desc: str = "hf_tensorcomp: distillation") -> dict:
+            precision: str = "float32", progress: bool = True, desc: str = "hf_tensorcomp: distillation") -> dict:
     """Train `params` of `student` toward `teacher`'s next-token distributions on the windows of `ids`.
 
     teacher: a model, or a function ``batch -> log-probabilities`` (e.g. the student with its dense
     modules swapped back in). Loss: KL(teacher ‖ student) per token, plus ``lm_weight`` x the student's
     language-model loss. Adam at ``lr`` (warm-up and cosine decay with ``schedule``, else constant; with
-    ``relative``, steps relative to each entry's size, `RelativeSteps`);
-    windows in a seeded shuffle (``shuffle``) or in order, ``batch_size`` per step. Every other
+    ``relative``, steps relative to each entry's size, `RelativeSteps`); ``precision="bfloat16"``: the
+    training forwards and backwards (teacher and student) under bfloat16 autocast (`_autocast`; the
+    parameters, the optimizer and the held-out scoring stay float32); windows in a seeded shuffle (``shuffle``) or in order, ``batch_size`` per step. Every other
     parameter keeps its ``requires_grad``. With `held_out` (windows never trained on): scored before,
     every ``eval_every`` steps and at the end, and the best iterate is what the student keeps (the
     start, bit for bit, if no step improved on it).
@@ -255,9 +267,10 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
             else:
                 batch = in_order[step % len(in_order)]
             batch = batch.to(device)
-            with torch.no_grad():
-                t = teacher(batch) if not isinstance(teacher, nn.Module) else _log_probs(teacher, batch)
-            s = _log_probs(student, batch)
+            with _autocast(device, precision):
+                with torch.no_grad():
+                    t = teacher(batch) if not isinstance(teacher, nn.Module) else _log_probs(teacher, batch)
+                s = _log_probs(student, batch)
             loss = kl_to_teacher(s, t)
             if lm_weight:
                 loss = loss + lm_weight * F.nll_loss(s[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
@@ -281,7 +294,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
 # ---------------------------------------------------------------------------------------- heal
 HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-3, "relative": True, "batch_size": 4,
                  "train": "auto", "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 256,
-                 "length": 256, "gradient_checkpointing": False}
+                 "length": 256, "gradient_checkpointing": False, "precision": "float32"}
 TRAIN = ("auto", "factors", "norms", "scales", "all")
 MODES = ("e2e", "layerwise", "both")
 
@@ -313,6 +326,9 @@ def validate_heal(value):
             fail(f"heal.{key}", o[key], f"a number in {'(' if key == 'held_out' else '['}{lo}, {hi}]")
     if o["train"] not in TRAIN:
         fail("heal.train", o["train"], " | ".join(map(repr, TRAIN)))
+    if o["precision"] not in PRECISIONS:
+        fail("heal.precision", o["precision"], "'float32' | 'bfloat16' (the training forwards under bfloat16 autocast; "
+             "parameters, optimizer and held-out scoring stay float32)")
     for key in ("gradient_checkpointing", "relative"):
         if not isinstance(o[key], bool):
             fail(f"heal.{key}", o[key], "True | False")
@@ -396,8 +412,9 @@ def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict,
                 for p in own:
                     p.requires_grad_(True)
 
-                def loss_on(i):
-                    y = layer(hc[i], **comp.kwargs[i][li])
+                def loss_on(i, precision="float32"):
+                    with _autocast(hc[i].device, precision):
+                        y = layer(hc[i], **comp.kwargs[i][li])
                     return F.mse_loss(_first(y).float(), target[i].float())
 
                 def score():
@@ -409,7 +426,7 @@ def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict,
                 rel = RelativeSteps(own) if o["relative"] else None
                 opt = torch.optim.Adam(rel.delta if rel else own, lr=o["lr"])
                 for step in range(o["layer_steps"]):
-                    loss = loss_on(train[step % len(train)])
+                    loss = loss_on(train[step % len(train)], o["precision"])
                     adam_step(opt, loss, rel)
                     if (step + 1) % max(1, o["layer_steps"] // 4) == 0 or step + 1 == o["layer_steps"]:
                         now = score()
@@ -440,7 +457,9 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
     ``"layerwise"`` (`heal_layerwise`, ``layer_steps`` per layer) or ``"both"`` (layer-wise, then end to
     end). Other settings: `HEAL_DEFAULTS` (``lr``, ``relative`` — steps relative to each entry's size,
     `RelativeSteps`, the default —, ``batch_size``, ``train``, ``lm_weight``,
-    ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``).
+    ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``, ``precision`` —
+    ``"bfloat16"``: the training forwards under bfloat16 autocast, about twice as fast on a CPU with native
+    bfloat16 products; the held-out scoring that decides what is kept stays float32).
     """
     try:
         return _heal(model, teacher, calibration, steps, tokenizer=tokenizer, progress=progress, _config=_config,
@@ -473,7 +492,7 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
     model.eval()
     kl0, ppl0 = held_out_loss(model, dense, held, o["batch_size"])
     report = {"mode": o["mode"], "steps": o["steps"], "train": o["train"], "params_trained": sum(p.numel() for p in params),
-              "lr": o["lr"], "relative": o["relative"], "tokens": 0}
+              "lr": o["lr"], "relative": o["relative"], "precision": o["precision"], "tokens": 0}
     torch.manual_seed(o["seed"])
     if o["mode"] in ("layerwise", "both"):
         report["layerwise"] = heal_layerwise(model, dense, train_ids, {id(p) for p in params}, o, progress)
@@ -485,7 +504,7 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
         try:
             run = distill(model, dense, train_ids, params, o["steps"], lr=o["lr"], batch_size=o["batch_size"],
                           seed=o["seed"], lm_weight=o["lm_weight"], held_out=held, eval_every=o["eval_every"],
-                          relative=o["relative"], progress=progress, desc="hf_tensorcomp: healing")
+                          relative=o["relative"], precision=o["precision"], progress=progress, desc="hf_tensorcomp: healing")
         finally:
             if checkpointing:
                 model.gradient_checkpointing_disable()

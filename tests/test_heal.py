@@ -26,11 +26,30 @@ def compressed(tiny_dirs, **kw):
 SETTINGS = dict(calibration=calib(), samples=16, length=32, eval_every=10, progress=False)
 
 
-def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs, precision):
     model = compressed(tiny_dirs)
-    report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, **SETTINGS)  # teacher: the recorded dense source
+    report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, precision=precision, **SETTINGS)  # teacher: the recorded dense source
     assert report["improved"] and report["held_out_kl_after"] < 0.9 * report["held_out_kl_before"]
-    assert model.config.quantization_config.stats["heal"] == report
+    assert model.config.quantization_config.stats["heal"] == report and report["precision"] == precision
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: the parameters stay float32
+
+
+def test_bfloat16_healing_runs_the_products_in_bfloat16(tiny_dirs, monkeypatch):
+    """The training forwards' matrix products see bfloat16 operands; the held-out scoring float32 ones."""
+    import torch.nn.functional as F
+
+    seen, linear = [], F.linear
+
+    def spy(x, w, b=None):
+        seen.append((torch.is_grad_enabled(), torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None))
+        return linear(x, w, b)
+
+    model = compressed(tiny_dirs)
+    monkeypatch.setattr(F, "linear", spy)
+    hf_tensorcomp.heal(model, steps=2, lr=3e-3, precision="bfloat16", **SETTINGS)
+    assert any(grad and dtype == torch.bfloat16 for grad, dtype in seen)  # training steps
+    assert any(not grad and dtype is None for grad, dtype in seen)  # held-out scoring
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "both"])
@@ -121,7 +140,7 @@ def test_scales_that_do_not_improve_are_put_back_bit_for_bit(tiny_dirs):
 
 @pytest.mark.parametrize("heal, field", [({"stepz": 3}, "heal"), ({"steps": 0}, "heal.steps"), ("yes", "heal"),
                                          ({"train": "everything"}, "heal.train"), ({"held_out": 0}, "heal.held_out"),
-                                         ({"relative": 1}, "heal.relative")])
+                                         ({"relative": 1}, "heal.relative"), ({"precision": "fp8"}, "heal.precision")])
 def test_bad_heal_settings_name_the_field(heal, field):
     with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: got"):
         TensorCompressionConfig(method="laser", rank=4, calibration="wikipedia", heal=heal)
