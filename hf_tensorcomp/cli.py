@@ -111,6 +111,15 @@ def _ppl(model, tok, args) -> float:
     return r["ppl"]
 
 
+def _heal(text: str):
+    """``--heal JSON``: a JSON object of healing settings (true / false too); checked by the config."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"--heal: got {text!r}; allowed: nothing (the defaults) or a JSON object of "
+                                         "healing settings, e.g. '{\"steps\": 100}'") from None
+
+
 def _calibration(value):
     """A bundled text name as is; a file path read as one text per non-empty line."""
     if value is None or value in ("wikipedia", "owt", "wikipedia+owt") or not Path(value).is_file():
@@ -130,6 +139,7 @@ def cmd_compress(args) -> int:
                                   calibration=_calibration(args.calibration), calibration_samples=args.calibration_samples,
                                   calibration_length=args.calibration_length, propagate=not args.no_propagate,
                                   **({"embedding_bits": args.embedding_bits} if args.embedding_bits else {}),
+                                  **({"heal": args.heal} if args.heal is not None else {}),
                                   **dict(args.option or []))
     if args.peers and (args.no_eval or args.stream):
         raise ValueError("--peers: allowed: only with perplexity evaluation (no --no-eval, no --stream)")
@@ -175,6 +185,8 @@ def cmd_compress(args) -> int:
     st = compression_config(model).stats
     report.update(params_before=st["params_before"], params_after=st["params_after"], compress_s=st["compress_seconds"],
                   memory_bytes=stored_bytes(model))
+    if "heal" in st:
+        report["heal"] = {k: st["heal"][k] for k in ("held_out_kl_before", "held_out_kl_after", "improved", "seconds")}
     results = {}
     if not args.no_eval:
         report["ppl"] = _ppl(model, tok, args)
@@ -243,6 +255,10 @@ def _print_report(r: dict) -> None:
         row(f"{p['name']}: perplexity", r["dense_ppl"], p["ppl"], "{:.3f}")
     print(f"{'compression time (s)':<24}{'':>16}{r['compress_s']:>16}")
     print(f"{'load + compress (s)':<24}{'':>16}{r['load_and_compress_s']:>16}")
+    if "heal" in r:
+        h = r["heal"]
+        print(f"{'healing: held-out KL':<24}{h['held_out_kl_before']:>16.4f}{h['held_out_kl_after']:>16.4f}"
+              f"{'' if h['improved'] else '  (no gain: left as it was)':>10}  {h['seconds']} s")
 
 
 def cmd_eval(args) -> int:
@@ -368,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--embedding-bits", type=lambda v: v if v == "auto" else int(v), default=None, choices=[4, 8, "auto"],
                    help="also store the input embedding and the (tied) head as 8- or 4-bit codes; 'auto': chosen "
                         "by qlr's target_bytes budget, which then holds the table too")
+    c.add_argument("--heal", nargs="?", const=True, default=None, type=_heal, metavar="JSON",
+                   help="after compressing, distil toward the dense model: alone the defaults, or a JSON object of "
+                        "settings, e.g. '{\"steps\": 100, \"precision\": \"bfloat16\"}' (keys: hf_tensorcomp.heal)")
     c.add_argument("--recipe", default=None, help="JSON file of compress options (see recipes/)")
     c.add_argument("--out", required=True, help="output folder (written atomically)")
     c.add_argument("--overwrite", action="store_true")

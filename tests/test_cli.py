@@ -164,3 +164,21 @@ def test_embedding_bits_flag_quantizes_the_table_and_the_saved_model_reloads(tin
     m = AutoModelForCausalLM.from_pretrained(out)
     assert isinstance(m.get_input_embeddings(), QuantizedEmbedding) and m.get_output_embeddings().tied
     assert isinstance(m.get_output_embeddings(), QuantizedHead)
+
+
+def test_heal_flag_heals_after_compressing_and_bad_settings_name_the_field(tiny_with_tokenizer, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["compress", str(tiny_with_tokenizer), "--rank", "2", "--targets", "mlp.*", "--calibration", "wikipedia",
+                 "--calibration-samples", "8", "--calibration-length", "32", "--heal",
+                 '{"steps": 10, "samples": 8, "length": 32, "lr": 0.003, "precision": "bfloat16"}',
+                 "--out", str(out), "--no-eval", "--quiet"]) == 0
+    report = json.loads((out / "compression_report.json").read_text())
+    assert set(report["heal"]) == {"held_out_kl_before", "held_out_kl_after", "improved", "seconds"}
+    assert report["heal"]["held_out_kl_after"] <= report["heal"]["held_out_kl_before"]
+    assert "healing: held-out KL" in capsys.readouterr().out
+    card = (out / "README.md").read_text()
+    assert "heal" in card.lower()
+    bad = tmp_path / "bad"
+    assert main(["compress", str(tiny_with_tokenizer), "--rank", "2", "--calibration", "wikipedia", "--heal",
+                 '{"precision": "fp8"}', "--out", str(bad), "--no-eval", "--quiet"]) == 2
+    assert "heal.precision" in capsys.readouterr().err and not bad.exists()
