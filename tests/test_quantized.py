@@ -471,3 +471,52 @@ def test_searched_grid_never_has_a_larger_round_trip_error(data):
     gram = x.T @ x
     out = {grid: ((w - quantize_gptq(w, gram, 2, 32, grid=grid).dequantize()) @ x.T).norm() for grid in ("minmax", "search")}
     assert out["search"] < 0.95 * out["minmax"]  # on the output error GPTQ minimises, clipping pays at 2 bits
+
+
+@pytest.mark.parametrize("kw", [{"bits": 4}, {"bits": 3, "embedding_bits": 8, "embedding_group_size": 16},
+                                {"target_bytes": 0.4, "bit_choices": [2, 4, 8]}])
+def test_qlr_exports_a_compressed_tensors_base_that_transformers_loads(tiny_dirs, tmp_path, ids, kw):
+    """The codes themselves, in compressed-tensors' pack-quantized format (one config group per width):
+    transformers de-quantizes them to exactly our Q(W), and with the PEFT adapter the logits are ours."""
+    pytest.importorskip("compressed_tensors")
+    from peft import PeftModel
+    from transformers import CompressedTensorsConfig
+
+    from hf_tensorcomp.integration.peft import export_qlr
+
+    import json
+    import re
+
+    from safetensors.torch import load_file
+
+    m = _qlr(tiny_dirs, group_size=16, **({"rank": 4} if "target_bytes" not in kw else {}), **kw)
+    mods = m.config.quantization_config.stats["modules"].values()
+    bits = {d["bits"] for d in mods if "bits" in d and d.get("method") != "embedding"}
+    if len(bits) > 1:  # a mix: every matrix at the widest width (transformers' loader reads one scheme)
+        with pytest.warns(UserWarning, match=re.escape(f"widths {sorted(bits)} written as 8-bit codes")):
+            export_qlr(m, tmp_path / "base", tmp_path / "adapter", base_format="compressed-tensors")
+    else:
+        export_qlr(m, tmp_path / "base", tmp_path / "adapter", base_format="compressed-tensors")
+    cfg = json.loads((tmp_path / "base" / "config.json").read_text())["quantization_config"]
+    assert [g["weights"]["num_bits"] for g in cfg["config_groups"].values()] == [max(bits)]
+    stored = load_file(tmp_path / "base" / "model.safetensors")
+    assert not [k for k in stored if k.endswith("q_proj.weight")] and stored["model.layers.0.self_attn.q_proj.weight_packed"].dtype == torch.int32
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=CompressedTensorsConfig(dequantize=True))
+    for name, layer in m.named_modules():
+        if isinstance(layer, QuantizedLowRankLinear):  # Q(W) bit for bit, whatever its width
+            assert torch.equal(base.get_submodule(name).weight, layer.weight), name
+    pair = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.allclose(pair(ids).logits, m(ids).logits, atol=1e-5)
+
+
+def test_compressed_tensors_base_refuses_groups_that_do_not_divide(tiny_dirs, tmp_path):
+    from hf_tensorcomp.integration.peft import export_qlr
+
+    pytest.importorskip("compressed_tensors")
+    m = _qlr(tiny_dirs, rank=4, group_size=32)  # the tiny model's 48-wide inputs: one and a half groups
+    with pytest.raises(ValueError, match=r"export_qlr: group_size: .* not a multiple of its groups of 32"):
+        export_qlr(m, tmp_path / "base", tmp_path / "adapter", base_format="compressed-tensors")
+    assert not (tmp_path / "base").exists()
+    with pytest.raises(ValueError, match=r"export_qlr: base_format: got 'gguf'; allowed: 'dequantized' \| 'compressed-tensors'"):
+        export_qlr(m, tmp_path / "base", tmp_path / "adapter", base_format="gguf")

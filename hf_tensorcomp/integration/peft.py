@@ -100,17 +100,18 @@ def load_lora(model, adapter_dir, **kwargs) -> PeftModel:
     return PeftModel.from_pretrained(model, adapter_dir, config=config, **kwargs)
 
 
-def export_qlr(model, base_dir, adapter_dir, dtype=None) -> tuple[str, str]:
+def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "dequantized") -> tuple[str, str]:
     """Export a ``qlr`` model as the pair other tools run: a quantized base plus a LoRA adapter.
 
-    (a) `base_dir`: a plain transformers checkpoint (no hf_tensorcomp needed to load it) whose
-    replaced linears hold Q(W) de-quantized to `dtype` (default: the model's); (b) `adapter_dir`: a
-    PEFT LoRA adapter holding each layer's correction (``lora_A`` = A, ``lora_B`` = B, scaling 1, the
-    rank of each layer in ``rank_pattern``). ``PeftModel.from_pretrained(AutoModelForCausalLM.
-    from_pretrained(base_dir), adapter_dir)`` computes what the hf_tensorcomp model computes. The base
-    is written de-quantized: the codes' grid (integer zero points, float16 scales, groups along rows)
-    is the one GPTQ-style loaders use, but writing their packed layout is left to those tools.
-    Returns the two folders.
+    (a) `base_dir`, loadable without hf_tensorcomp: with ``base_format="dequantized"`` (default) a
+    plain transformers checkpoint whose replaced linears hold Q(W) de-quantized to `dtype` (default:
+    the model's); with ``"compressed-tensors"`` the codes themselves, packed in that format
+    (`integration.compressed_tensors`: loaded by ``AutoModelForCausalLM.from_pretrained(base_dir,
+    quantization_config=CompressedTensorsConfig(dequantize=True))``; needs every group size to divide its
+    matrix's input width). (b) `adapter_dir`: a PEFT LoRA adapter holding each layer's correction
+    (``lora_A`` = A, ``lora_B`` = B, scaling 1, the rank of each layer in ``rank_pattern``).
+    ``PeftModel.from_pretrained(<the base>, adapter_dir)`` computes what the hf_tensorcomp model
+    computes. Returns the two folders.
     """
     import copy
 
@@ -118,6 +119,9 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None) -> tuple[str, str]:
 
     from .io import atomic_dir
 
+    formats = ("dequantized", "compressed-tensors")
+    if base_format not in formats:
+        raise ValueError(f"export_qlr: base_format: got {base_format!r}; allowed: {' | '.join(map(repr, formats))}")
     plain_cfg = copy.deepcopy(model.config)
     for key in ("quantization_config",):
         if hasattr(plain_cfg, key):
@@ -131,6 +135,11 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None) -> tuple[str, str]:
     qlr = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLowRankLinear)}
     if not qlr:
         raise ValueError("export_qlr: the model has no qlr layers; allowed: a model compressed with method='qlr'")
+    packed, quant_config = {}, None
+    if base_format == "compressed-tensors":  # checked before anything is written
+        from .compressed_tensors import quantized_base_tensors
+
+        packed, quant_config = quantized_base_tensors(qlr)
     for name, m in qlr.items():
         state[f"{name}.weight"] = m.weight.detach()
         if m.bias is not None:
@@ -150,7 +159,24 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None) -> tuple[str, str]:
     base.tie_weights()
     base = base.to(dtype)
     with atomic_dir(base_dir) as tmp:
-        base.save_pretrained(tmp)
+        if quant_config is None:
+            base.save_pretrained(tmp)
+        else:  # the replaced linears' weights go as their packed codes instead
+            from safetensors.torch import save_file
+
+            from .compressed_tensors import write_config
+
+            base.config.save_pretrained(tmp)
+            write_config(tmp, quant_config)
+            rest, seen = {}, set()
+            for k, v in base.state_dict().items():
+                if (k.rpartition(".")[0] in qlr and k.endswith(".weight")) or v.data_ptr() in seen:
+                    continue  # a replaced weight (its codes go instead), or a tied copy (the head's: stored once)
+                seen.add(v.data_ptr())
+                rest[k] = v.detach().contiguous()
+            save_file({**rest, **packed}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            if base.generation_config is not None:
+                base.generation_config.save_pretrained(tmp)
     if not ranks:
         raise ValueError("export_qlr: every qlr layer has rank 0 (no correction): the base alone is the model")
     config = LoraConfig(r=max(ranks.values()), lora_alpha=max(ranks.values()), lora_dropout=0.0,
