@@ -22,7 +22,7 @@ from common import _without_inference_mode, bench_main, child_setup, decode_toke
 NAME = "decode_speed"
 DEFAULTS = {
     "models": ["smollm2", "gemma3"],
-    "rows": ["dense", "quanto_int4", "rtn4", "rtn4_r32", "bytes0.27", "bytes0.27_b34", "bytes0.33"],
+    "rows": ["dense", "quanto_int4", "rtn4", "rtn4_r32", "rtn4_r32_emb8", "bytes0.27", "bytes0.27_b34", "bytes0.33"],
     "group_size": 128,
     "calibration_samples": 32,
     "calibration_length": 256,
@@ -34,6 +34,8 @@ ROWS = {
     # a byte budget's mix of widths and ranks (2, 3, 4 bits run the int4 kernel, 8 bits two calls of it)
     "bytes0.27": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher"},
     "bytes0.33": {"method": "qlr", "target_bytes": 0.33, "quantizer": "rtn", "rounds": 1, "allocation": "fisher"},
+    # the main job's shapes: 4-bit + rank 32 with the embedding and the tied head as 8-bit codes
+    "rtn4_r32_emb8": {"method": "qlr", "rank": 32, "quantizer": "rtn", "rounds": 1, "embedding_bits": 8},
     "bytes0.27_b34": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",
                       "bit_choices": [3, 4]},
 }
@@ -96,7 +98,8 @@ def header(cfg: dict) -> str:
             f"{cfg['group_size']}; one child process per model and row. `rtn4`: hf_tensorcomp's 4-bit codes "
             "(`qlr`, rank 0); `rtn4_r32`: plus a rank-32 whitened correction; `bytes0.27`: `target_bytes=0.27` "
             "(Fisher allocation over 2, 3, 4 and 8 bits and ranks, round to nearest), `bytes0.27_b34`: the same over 3 "
-            "and 4 bits; `bytes0.33`: `target_bytes=0.33` over 2, 3, 4 and 8 bits. 2-, 3- and 4-bit codes run PyTorch's CPU "
+            "and 4 bits; `bytes0.33`: `target_bytes=0.33` over 2, 3, 4 and 8 bits; `rtn4_r32_emb8`: `rtn4_r32` with the "
+            "embedding and the tied head as 8-bit codes (the main job's shapes). 2-, 3- and 4-bit codes run PyTorch's CPU "
             "int4 kernel, 8-bit codes two calls of it (one per nibble). Written by benchmarks/decode_speed.py.\n\n")
 
 

@@ -26,12 +26,16 @@ def compressed(tiny_dirs, **kw):
 SETTINGS = dict(calibration=calib(), samples=16, length=32, eval_every=10, progress=False)
 
 
-@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize("precision", ["auto", "float32", "bfloat16"])
 def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs, precision):
+    from hf_tensorcomp.healing import resolve_precision
+
     model = compressed(tiny_dirs)
     report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, precision=precision, **SETTINGS)  # teacher: the recorded dense source
     assert report["improved"] and report["held_out_kl_after"] < 0.9 * report["held_out_kl_before"]
-    assert model.config.quantization_config.stats["heal"] == report and report["precision"] == precision
+    resolved = resolve_precision(precision, torch.device("cpu"))  # "auto": what this CPU multiplies natively
+    assert model.config.quantization_config.stats["heal"] == report and report["precision"] == resolved
+    assert resolved in ("float32", "bfloat16") and (precision == "auto" or resolved == precision)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: the parameters stay float32
 
 
