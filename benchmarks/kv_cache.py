@@ -203,7 +203,7 @@ def at_ratio(rows: list[dict], family: str, target: float) -> dict:
     below = [p for p in pts if p[0] <= target]
     if below:
         x, y = min(below, key=lambda p: p[1])
-        return {"ppl": y, "bytes_ratio": x, "how": f"best point below the budget (no measured point above it)"}
+        return {"ppl": y, "bytes_ratio": x, "how": "best point below the budget (no measured point above it)"}
     return {"ppl": None, "bytes_ratio": None,
             "how": f"not reachable (measured ratios: {', '.join(f'{x:.3f}' for x, _ in pts) or 'none'})"}
 

@@ -231,8 +231,8 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
     language-model loss. Adam at ``lr`` (warm-up and cosine decay with ``schedule``, else constant; with
     ``relative``, steps relative to each entry's size, `RelativeSteps`); ``precision="bfloat16"``: the
     training forwards and backwards (teacher and student) under bfloat16 autocast (`_autocast`; the
-    parameters, the optimizer and the held-out scoring stay float32); windows in a seeded shuffle (``shuffle``) or in order, ``batch_size`` per step. Every other
-    parameter keeps its ``requires_grad``. With `held_out` (windows never trained on): scored before,
+    parameters, the optimizer and the held-out scoring stay float32); windows in a seeded shuffle
+    (``shuffle``) or in order, ``batch_size`` per step. Every other parameter keeps its ``requires_grad``. With `held_out` (windows never trained on): scored before,
     every ``eval_every`` steps and at the end, and the best iterate is what the student keeps (the
     start, bit for bit, if no step improved on it).
 
