@@ -40,9 +40,11 @@ def quantized_base_tensors(modules: dict) -> tuple[dict[str, torch.Tensor], dict
         raise ValueError("export_qlr: base_format='compressed-tensors' needs the compressed-tensors package; allowed: "
                          "pip install \"hf_tensorcomp[export]\", or base_format='dequantized'") from None
     state, groups = {}, {}
-    width = max(m.__dict__["_qfactors"]["weight"][0] for m in modules.values())  # one scheme: the widest
+    spec = {name: m.__dict__["_qfactors"]["weight"] for name, m in modules.items()}  # (bits, group, shape, dtype)
+    widths = {bits for bits, *_ in spec.values()}
+    width = max(widths)  # one scheme: the widest
     for name, m in modules.items():
-        bits, group, shape, _ = m.__dict__["_qfactors"]["weight"]
+        bits, group, shape, _ = spec[name]
         out_f, in_f = shape
         if in_f % group:
             raise ValueError(f"export_qlr: group_size: {name} has {in_f} inputs, not a multiple of its groups of {group}; "
@@ -58,13 +60,13 @@ def quantized_base_tensors(modules: dict) -> tuple[dict[str, torch.Tensor], dict
         state[f"{name}.weight_zero_point"] = pack_to_int32(zero, width, packed_dim=0)
         state[f"{name}.weight_shape"] = torch.tensor(shape)
         groups.setdefault((width, group), []).append(name)
-    widths = {m.__dict__["_qfactors"]["weight"][0] for m in modules.values()}
     if len(widths) > 1:
-        codes = lambda bits: sum(m.__dict__["_qfactors"]["weight"][2][0] * m.__dict__["_qfactors"]["weight"][2][1]  # noqa: E731
-                                 * (bits or m.__dict__["_qfactors"]["weight"][0]) for m in modules.values()) / 8
+        numel = {name: shape[0] * shape[1] for name, (_, _, shape, _) in spec.items()}
+        written = sum(numel.values()) * width / 8
+        own = sum(numel[name] * bits for name, (bits, *_) in spec.items()) / 8
         warnings.warn(f"export_qlr: widths {sorted(widths)} written as {width}-bit codes (transformers' compressed-tensors "
-                      f"loader de-quantizes every dense layer with one scheme): codes {codes(width):,.0f} bytes instead "
-                      f"of {codes(None):,.0f}", stacklevel=3)
+                      f"loader de-quantizes every dense layer with one scheme): codes {written:,.0f} bytes instead "
+                      f"of {own:,.0f}", stacklevel=3)
     config = {
         "quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
         "config_groups": {f"group_{i}": {"targets": sorted(names), "format": FORMAT, "input_activations": None,
