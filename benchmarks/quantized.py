@@ -10,9 +10,19 @@ Q4_1, Gemma-3-270M Q4_K_M, blocks of 32): every quantizer here uses groups of >=
 points, which do not ride on those blocks. Each row runs in a child process (its own peak memory).
 
 Peers: optimum-quanto int8 / int4 weight-only (round to nearest; int4 in groups of 128), torchao int8
-weight-only (one scale per row; the row ``torchao_int8``, needs ``pip install torchao``), and GPTQ int4
-g128 (the calibrated peer: this library's own implementation, the row ``gptq4``; GPTQModel itself is
-not run here, it pins another torch).
+weight-only (one scale per row; the row ``torchao_int8``, needs ``pip install torchao``), GPTQ int4
+g128 (this library's own implementation, the row ``gptq4``) and GPTQModel's own GPTQ int4 g128 with
+its EoRA correction (rows ``gptqmodel4``, ``gptqmodel4_eora16``, ``gptqmodel4_eora32``: the calibrated
+peer a user would pick). GPTQModel pins numpy 2.2 and so lives in a virtual environment of its own;
+those rows run their child under the interpreter named by ``GPTQMODEL_PYTHON``:
+
+    python3 -m venv /tmp/gptq && /tmp/gptq/bin/pip install torch==2.13.0 gptqmodel==7.6.0 "transformers==5.23.*" \
+        tensorly opt_einsum gguf peft && /tmp/gptq/bin/pip install --no-deps -e .
+    GPTQMODEL_PYTHON=/tmp/gptq/bin/python python benchmarks/quantized.py --recipe R   # R's rows: gptqmodel4 ...
+
+It quantizes with its defaults (symmetric, no activation order) on the same calibration windows as every
+other row; the quantized model is cached per model and group size in the temporary folder for the
+EoRA rows; its CPU forward is its ``GPTQ_TORCH`` backend.
 
     python benchmarks/quantized.py                 # the grid (rows already in the JSON are kept)
     python benchmarks/quantized.py --report-only   # table and plot from the JSON
@@ -117,6 +127,9 @@ def _linear_bytes(model) -> tuple[int, int]:
                 dense += m.in_features * m.out_features * 2
             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
                 stored += t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
+        elif "qweight" in m._buffers:  # GPTQModel's packed linears: every stored tensor (an EoRA adapter's too)
+            dense += m.in_features * m.out_features * 2
+            stored += sum(_tensor_bytes(t) for t in [*m.parameters(), *m.buffers()])
         elif isinstance(m, torch.nn.Linear):
             dense += m.weight.numel() * 2
             bits = getattr(getattr(m, "weight_qtype", None), "bits", 16)  # optimum-quanto's QLinear
@@ -188,7 +201,81 @@ def _torchao_int8(model) -> None:
     quantize_(layers, Int8WeightOnlyConfig())
 
 
+def _gptqmodel_external(job: dict) -> dict:
+    """A ``gptqmodel*`` row: its child runs under ``GPTQMODEL_PYTHON`` (`_gptqmodel_row`), its row read back."""
+    import json
+    import os
+    import subprocess
+
+    python = os.environ.get("GPTQMODEL_PYTHON")
+    row = {"model": job["model"], "row": job["row"]}
+    if not python:
+        return {**row, "error": "GPTQMODEL_PYTHON is not set (the interpreter of a virtual environment with "
+                                "gptqmodel==7.6.0; see this script's docstring)"}
+    run = subprocess.run([python, __file__, "--gptqmodel-row", json.dumps(job)], capture_output=True, text=True)
+    lines = run.stdout.strip().splitlines()
+    if run.returncode or not lines:
+        return {**row, "error": f"exit {run.returncode}: {run.stderr.strip()[-400:]}"}
+    return json.loads(lines[-1])
+
+
+def _gptqmodel_row(job: dict) -> dict:
+    """GPTQModel's GPTQ (4 bits, ``group_size``, its defaults) of the model on this benchmark's calibration
+    windows, then with ``..._eora<rank>`` its EoRA correction of that rank; scored like every row."""
+    import json
+    import os
+    import tempfile
+
+    cores = os.cpu_count() or 1
+    os.cpu_count = lambda: max(cores, 4)  # GPTQModel 7.6's loader asks for 2 workers of a pool of (cores + 1) // 2
+    import torch
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+    from gptqmodel.adapter.adapter import Lora
+
+    from hf_tensorcomp.calibration import calibration_ids
+
+    path, tok, row = child_setup(job)
+    ids = calibration_ids("wikipedia", tok, job["calibration_samples"], job["calibration_length"], 0)
+    data = [{"input_ids": r.tolist(), "attention_mask": [1] * len(r)} for r in ids]
+    cache = os.path.join(tempfile.gettempdir(), "hf_tensorcomp_gptqmodel",
+                         f"{job['model']}-g{job['group_size']}-{job['calibration_samples']}x{job['calibration_length']}")
+    t0 = time.perf_counter()
+    if not os.path.exists(os.path.join(cache, "q", "config.json")):
+        m = GPTQModel.load(path, QuantizeConfig(bits=4, group_size=job["group_size"]), device="cpu")
+        m.quantize(data, batch_size=1)
+        m.save(os.path.join(cache, "q"))
+        del m
+    row["gptq_s"] = round(time.perf_counter() - t0, 1)
+    adapter = None
+    if "_eora" in job["row"]:
+        rank = int(job["row"].rsplit("_eora", 1)[1])
+        adapter = Lora(path=os.path.join(cache, f"eora{rank}"), rank=rank)
+        if not os.path.exists(adapter.path):
+            GPTQModel.adapter.generate(adapter=adapter, model_id_or_path=path,
+                                       quantized_model_id_or_path=os.path.join(cache, "q"), calibration_dataset=data,
+                                       calibration_dataset_concat_size=0, device="cpu")
+        row["mean_rank"] = rank
+    row["compress_s"] = round(time.perf_counter() - t0, 1)
+    model = GPTQModel.load(os.path.join(cache, "q"), adapter=adapter, backend=BACKEND.GPTQ_TORCH, device="cpu",
+                           dtype=torch.float32).model.eval()
+    row["bits"] = [4]
+    stored, dense = _linear_bytes(model)
+    row["linear_bytes"] = stored / dense
+    row["model_bytes"] = _model_bytes(model, stored, dense)
+    row.update({f"ppl_{c}": v for c, v in ppl_both(model, tok, job["eval_tokens"]).items()})
+    row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print(json.dumps(row))
+    return row
+
+
 def _one(job: dict, q) -> None:
+    if job["row"].startswith("gptqmodel"):
+        row = _gptqmodel_external(job)
+        if "error" in row:  # no row: reported, and tried again on the next run
+            print(f"{job['model']} {job['row']}: {row['error']}", flush=True)
+        else:
+            q.put(row)
+        return
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -279,7 +366,9 @@ def plot(rows: list[dict], path: Path) -> None:
         rs = [r for r in rs if "x_owt" in r]
         groups = {"quanto": [r for r in rs if r["row"].startswith("quanto")],
                   "torchao int8": [r for r in rs if r["row"].startswith("torchao")],
-                  "round to nearest / GPTQ alone": [r for r in rs if r["row"] == "rtn4" or r["row"].startswith("gptq")],
+                  "round to nearest / GPTQ alone": [r for r in rs if r["row"] == "rtn4" or
+                                                    (r["row"].startswith("gptq") and not r["row"].startswith("gptqmodel"))],
+                  "GPTQModel: GPTQ, + EoRA": [r for r in rs if r["row"].startswith("gptqmodel")],
                   "qlr (quantized + correction)": [r for r in rs if r["row"].startswith(("qlr", "rtn4_r"))],
                   "LASER (quantized factors)": [r for r in rs if r["row"].startswith("laser")]}
         for label, g in groups.items():
@@ -305,4 +394,9 @@ def header(cfg: dict) -> str:
 
 
 if __name__ == "__main__":
-    bench_main(__doc__, NAME, DEFAULTS, run, report, plot, header)
+    if sys.argv[1:2] == ["--gptqmodel-row"]:  # a gptqmodel row's child, under GPTQMODEL_PYTHON
+        import json
+
+        _gptqmodel_row(json.loads(sys.argv[2]))
+    else:
+        bench_main(__doc__, NAME, DEFAULTS, run, report, plot, header)

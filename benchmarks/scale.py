@@ -8,7 +8,11 @@ pass of the whole model). Peak resident memory is the child's max RSS above its 
 baseline; the two outputs are compared tensor by tensor. Then both again in a memory cgroup limited to 60 %
 of the float32 model (where the machine lets a process make one; root, cgroup v1 or v2).
 
+The ``-table8`` paths add ``embedding_bits=8`` (the input embedding and the head as 8-bit codes, GPTQ on
+the head's inputs): streaming reads, quantizes and writes the table a block of rows at a time.
+
     python benchmarks/scale.py
+    python benchmarks/scale.py --only memory-table8,stream-table8   # those paths, merged into the results
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def _one(model: str, how: str, out: str, limit_mb: int | None, q) -> None:
     from transformers import AutoModelForCausalLM
 
     src = assets.model_path(model)
-    cfg = TensorCompressionConfig(progress=False, **CFG)
+    cfg = TensorCompressionConfig(progress=False, **CFG, **({"embedding_bits": 8} if how.endswith("-table8") else {}))
     row = {"model": model, "how": how, "limit_mb": limit_mb}
     if limit_mb is not None:
         row["cgroup"] = _limit_memory(limit_mb)
@@ -82,13 +86,25 @@ def _one(model: str, how: str, out: str, limit_mb: int | None, q) -> None:
     q.put(row)
 
 
+RUNS = ("memory", "stream", "stream-disk", "memory-table8", "stream-table8")  # and memory / stream under the limit
+
+
 def main() -> None:
+    import argparse
+
     import torch
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from hf_tensorcomp import assets
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", help=f"comma-separated paths among {', '.join(RUNS)} (unlimited), merged into the "
+                                       "results already written")
+    args = parser.parse_args()
+    only = None if args.only is None else args.only.split(",")
+    if only is not None and not set(only) <= set(RUNS):
+        parser.error(f"--only: got {args.only!r}; allowed: a comma-separated subset of {', '.join(RUNS)}")
     ctx = mp.get_context("spawn")
     rows = []
     for model in ("smollm2", "gemma3"):
@@ -97,7 +113,9 @@ def main() -> None:
                       for h in [safe_open(str(f), "pt")] for k in h.keys()) / 2**20  # from the headers
         limit = int(fp32_mb * 0.6)  # a memory limit below the float32 model
         outs = {}
-        runs = (("memory", None), ("stream", None), ("stream-disk", None), ("memory", limit), ("stream", limit))
+        runs = [(how, None) for how in RUNS] + [("memory", limit), ("stream", limit)]
+        if only is not None:
+            runs = [(how, None) for how in only]
         for how, lim in runs:
             out = tempfile.mkdtemp() + "/out"
             q = ctx.Queue()
@@ -117,21 +135,32 @@ def main() -> None:
                 outs[how] = out
             rows.append(row)
             print(row, flush=True)
-        a = {k: v for f in Path(outs["memory"]).glob("*.safetensors") for k, v in load_file(str(f)).items()}
-        same = True
-        for how in ("stream", "stream-disk"):
-            b = {k: v for f in Path(outs[how]).glob("*.safetensors") for k, v in load_file(str(f)).items()}
-            same = same and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        def tensors(how):
+            return {k: v for f in Path(outs[how]).glob("*.safetensors") for k, v in load_file(str(f)).items()}
+
+        same = {}
+        for kind, streams in (("", ("stream", "stream-disk")), ("-table8", ("stream-table8",))):
+            if "memory" + kind not in outs:
+                continue
+            a = tensors("memory" + kind)
+            same[kind] = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                             for b in map(tensors, (h for h in streams if h in outs)))
         for r in rows[-len(runs):]:
-            r["identical"] = same
+            r["identical"] = same.get("-table8" if r["how"].endswith("-table8") else "")
             r["bound"] = r.get("bound_mb", {}).get("bound")
+    if only is not None:  # merged: the rows run now replace their namesakes
+        fresh = {(r["model"], r["how"], r["limit_mb"]) for r in rows}
+        old_rows = json.loads((RESULTS / f"{NAME}.json").read_text())
+        rows = [r for r in old_rows if (r["model"], r["how"], r["limit_mb"]) not in fresh] + rows
+        order = {m: i for i, m in enumerate(("smollm2", "gemma3"))}
+        rows.sort(key=lambda r: (order.get(r["model"], 9), r["limit_mb"] is not None, RUNS.index(r["how"])))
     write_json(f"{NAME}.json", rows)
     md = markdown_table(rows, [("model", "model", "{}"), ("how", "path", "{}"), ("fp32_mb", "float32 model MB", "{:,}"),
                                ("limit_mb", "memory limit MB", "{}"), ("ok", "finished", "{}"),
                                ("peak_mb", "peak RSS above start MB", "{}"), ("peak_vs_fp32", "peak / float32 model", "{:.2f}"),
                                ("layers_peak_mb", "peak over the layers MB", "{}"), ("bound", "bound MB", "{}"),
                                ("setup_peak_mb", "peak before the first layer MB", "{}"), ("seconds", "seconds", "{:.0f}"),
-                               ("identical", "outputs identical (memory vs both streams)", "{}")])
+                               ("identical", "outputs identical (memory vs its streams)", "{}")])
     (RESULTS / f"{NAME}.md").write_text(
         "# Streaming vs in-memory compression\n\n" + json.dumps(CFG) + "\n\nPeak: resident memory above the "
         "child's value at the start, sampled every 2 ms. The limited rows run in a memory cgroup whose limit is 60 % "
@@ -140,7 +169,9 @@ def main() -> None:
         "report's (1.5 x (layer + compressed layer + calibration states + statistics)), which holds the peak over the "
         "layers (from the first layer read on); before it, the calibration text is tokenized (Gemma-3's 262k-token "
         "tokenizer alone takes ~330 MB while loaded). stream-disk: `states_dir=` (the calibration hidden states in files, one batch of 8 "
-        "samples in memory). Written by benchmarks/scale.py.\n\n"
+        "samples in memory). -table8: with `embedding_bits=8` (the tied table as 8-bit codes, GPTQ on the head's "
+        "inputs; streaming quantizes it a block of rows at a time), compared with its own in-memory run. "
+        "Written by benchmarks/scale.py.\n\n"
         + md + "\n")
     print(md)
 

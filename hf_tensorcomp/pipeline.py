@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from . import checks
 from .calibration.data import calibration_tokenizer, describe
 from .config import TensorCompressionConfig, table_entry
-from .decompositions.quantize import stored_bytes
+from .decompositions.quantize import QTensor, stored_bytes
 from .layers import FactorizedModule
 from .methods import get_method
 from .layout import embedding_names, set_tied_embeddings
@@ -69,9 +69,6 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
     and written out and released (``stream.release(li)``) once done; `stream.release` of every layer
     is called exactly once, in order.
     """
-    if config.embedding_bits and stream is not None:
-        raise ValueError("compress_checkpoint: embedding_bits is not supported while streaming (the embedding and the "
-                         "head are read row by row, never whole); allowed: embedding_bits=None, or compress in memory")
     work = plan(model, config) if work is None else work  # 1. plan
     if config.embedding_bits:
         _embedding_names(model)  # refused before any work when already quantized
@@ -96,10 +93,13 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
             if done:
                 finished[str(k)] = done
         if config.embedding_bits:
-            ids = runner.ids if runner is not None else _calibration_ids(model, config)
             bits = next((a["embedding_bits"] for a in allocation.values() if "embedding_bits" in a), config.embedding_bits)
-            module_stats.update(quantize_embeddings(model, bits, config.embedding_group_size, ids,
-                                                    config.calibration_batch_size))
+            if stream is not None:  # the table read, quantized and written a block of rows at a time
+                module_stats.update(stream.quantize_table(bits, config.embedding_group_size, final_gram(model, runner)))
+            else:
+                ids = runner.ids if runner is not None else _calibration_ids(model, config)
+                module_stats.update(quantize_embeddings(model, bits, config.embedding_group_size, ids,
+                                                        config.calibration_batch_size))
     finally:
         model.train(was_training)
     record(model, config, (params_before, bytes_before), time.perf_counter() - t0, module_stats, finished, runner,
@@ -119,7 +119,9 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
     entries = config.entries
     needs = [m.needs(e) for m, e in zip(methods, entries)]
     ladder = [m.ladder_needs(e) if m.allocates(e) else frozenset() for m, e in zip(methods, entries)]
-    if not any(needs) and not any(ladder):
+    # streaming: the table's GPTQ reads the final hidden states, which only the runner can give
+    table_states = stream is not None and bool(config.embedding_bits) and config.calibration is not None
+    if not any(needs) and not any(ladder) and not table_states:
         return None
     from .calibration import LayerwiseRunner
 
@@ -202,7 +204,11 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
             compress_unit(k, names, {n: pending.pop(n) for n in names if n in pending} if needs[k] else None)
         return li in by_last
 
-    runner.run(wanted, on_layer, last=max(by_last), propagate=config.propagate, progress=config.progress, stream=stream)
+    keep = stream is not None and bool(config.embedding_bits)  # the final states: the streamed table's GPTQ reads them
+    final = runner.run(wanted, on_layer, last=len(layer_list) - 1 if keep else max(by_last), propagate=config.propagate,
+                       progress=config.progress, stream=stream, keep_last=keep)
+    if keep:
+        runner.final = final
     if stream is not None:
         stream.upto(len(layer_list) - 1, release_last=True)
     return module_stats
@@ -213,6 +219,7 @@ def _embedding_names(model: nn.Module) -> tuple[str, str | None]:
     from .layers import QuantizedEmbedding
 
     emb = model.get_input_embeddings()
+    emb = getattr(emb, "original", emb)  # streaming: the module a `StreamedEmbedding` stands in for
     if isinstance(emb, QuantizedEmbedding):
         raise ValueError("TensorCompressionConfig.embedding_bits: the embedding is quantized already; allowed: "
                          "embedding_bits=None when compressing a compressed model again")
@@ -254,6 +261,29 @@ def head_gram(model: nn.Module, head: nn.Module, ids: torch.Tensor, batch_size: 
     return stats[name].gram.float()
 
 
+def final_gram(model: nn.Module, runner) -> torch.Tensor | None:
+    """XᵀX of the head's inputs from the runner's final hidden states (``runner.final``: the last decoder layer's
+    outputs, propagated through the compressed layers) through the model's final norm: what `head_gram`
+    gathers with a forward pass of the whole model, for a model that is never whole (streaming). None
+    without calibration."""
+    if runner is None:
+        return None
+    from .calibration.stats import ModuleStats
+
+    norm = getattr(model.get_submodule(runner.prefix.rpartition(".")[0]), "norm", None)
+    if norm is None:
+        raise ValueError("compress_checkpoint: embedding_bits: this architecture has no final `norm` after its decoder "
+                         "layers to give the head's inputs; allowed: embedding_bits=None, or compress in memory")
+    stats = ModuleStats(frozenset({"gram"}))
+    with torch.no_grad():
+        for h in runner.final:
+            x = norm(h)
+            stats.add(x.detach().reshape(-1, x.shape[-1]).float())
+    runner.drop_states(runner.final)
+    runner.final = None
+    return stats.gram.float()
+
+
 def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch.Tensor | None = None,
                         batch_size: int = 8) -> dict:
     """The input embedding and the output head stored as `bits`-bit codes in groups of `group_size` along
@@ -265,7 +295,6 @@ def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch
     128: round to nearest in the head alone 1.155x dense perplexity, in the lookups alone 1.007x; GPTQ
     tied 1.058x); without, round to nearest. An untied embedding is always rounded to nearest."""
     from .decompositions.quantize import quantize_gptq
-    from .layers import QuantizedEmbedding, QuantizedHead
 
     emb_name, head_name = _embedding_names(model)
     emb = model.get_submodule(emb_name)
@@ -281,22 +310,41 @@ def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch
         ref, approx = ref.detach().float(), approx.detach().float()
         return round(float((ref - approx).norm() / ref.norm().clamp_min(1e-30)), 6)
 
-    w = emb.weight.detach()
-    new_emb = QuantizedEmbedding.build(emb, bits, group_size, q(w) if tied else None)
-    out = {emb_name: {"method": "embedding", "bits": bits, "group_size": group_size, "tied_head": tied,
-                      "quantizer": quantizer if tied else "rtn", "rel_error": err(w, new_emb.weight)}}
+    new_emb, new_head = install_tables(model, emb, head, bits, group_size, q(emb.weight) if tied else None,
+                                       None if head is None or tied else q(head.weight))
+    out = {emb_name: table_stats(bits, group_size, quantizer if tied else "rtn", err(emb.weight, new_emb.weight), tied)}
+    if head is not None and not tied:
+        out[head_name] = table_stats(bits, group_size, quantizer, err(head.weight, new_head.weight))
+    return out
+
+
+def table_stats(bits: int, group_size: int, quantizer: str, rel_error: float, tied: bool | None = None) -> dict:
+    """The stats of a quantized embedding table (``tied``: given for the input embedding, not an untied head)."""
+    return {"method": "embedding", "bits": bits, "group_size": group_size,
+            **({"tied_head": tied} if tied is not None else {}), "quantizer": quantizer, "rel_error": rel_error}
+
+
+def install_tables(model: nn.Module, emb: nn.Module, head: nn.Module | None, bits: int, group_size: int,
+                   given: QTensor | None = None, given_head: QTensor | None = None):
+    """`QuantizedEmbedding` and `QuantizedHead` put in place of the input embedding `emb` and the head (a tied
+    head reads the embedding's codes, and transformers' own tying is switched off: this module is the tie);
+    their codes `given` (e.g. GPTQ's), else rounded to nearest, or on the meta device empty buffers (a
+    streamed skeleton). Returns (the new embedding, the new head or None)."""
+    from .layers import QuantizedEmbedding, QuantizedHead
+
+    emb_name, head_name = embedding_names(model)
+    tied = head is not None and head.weight is emb.weight
+    new_emb = QuantizedEmbedding.build(emb, bits, group_size, given)
+    new_head = None
     if head is not None:
         new_head = QuantizedHead.build(head, bits, group_size, new_emb if tied else None, emb_name if tied else None,
-                                       given=None if tied else q(head.weight))
-        if not tied:
-            out[head_name] = {"method": "embedding", "bits": bits, "group_size": group_size, "quantizer": quantizer,
-                              "rel_error": err(head.weight, new_head.weight)}
+                                       given=given_head)
         set_module(model, head_name, new_head)
     set_module(model, emb_name, new_emb)
     if tied:
         set_tied_embeddings(model.config, False)
         model.all_tied_weights_keys = {}
-    return out
+    return new_emb, new_head
 
 
 def model_bytes(model: nn.Module) -> int:

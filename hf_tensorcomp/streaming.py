@@ -21,6 +21,7 @@ import contextlib
 import copy
 import gc
 import json
+import math
 import os
 import resource
 import shutil
@@ -180,6 +181,18 @@ class ShardReader:
                 view[i] = memoryview(f.read(width))
         return out.to(dtype)
 
+    def block(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a stored tensor (one contiguous read)."""
+        stored, shape, begin, _ = self.info(name)
+        width = math.prod(shape[1:]) * stored.itemsize
+        out = torch.empty(stop - start, *shape[1:], dtype=stored)
+        with open(self.where[name], "rb") as f:
+            f.seek(begin + start * width)
+            if f.readinto(out.reshape(-1).view(torch.uint8).numpy()) != (stop - start) * width:
+                raise ValueError(f"compress_checkpoint: {self.where[name]} ends inside tensor {name!r}; the shard is "
+                                 "truncated")
+        return out
+
     def copy_to(self, names: list[str], path: Path, dtype: torch.dtype, chunk: int = 1 << 24) -> None:
         """Write the stored tensors `names` (floating ones as `dtype`) into a new safetensors file at `path`,
         a chunk at a time: never a whole tensor in memory (safetensors' writer takes whole tensors)."""
@@ -221,12 +234,20 @@ class StreamedEmbedding(nn.Module):
         self.reader, self.name, self.dtype = reader, name, dtype
         self.num_embeddings, self.embedding_dim = original.weight.shape
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The original's table (on the meta device: its shape, and the identity a tied head shares)."""
+        return self.original.weight
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         used, local = torch.unique(ids, return_inverse=True)
         small = copy.copy(self.original)
         small._parameters = {**self.original._parameters,
                              "weight": nn.Parameter(self.reader.rows(self.name, used, self.dtype), requires_grad=False)}
         return small(local)
+
+
+TABLE_BLOCK_BYTES = 8 << 20  # rows of an embedding table quantized at once: this many bytes of them in float64
 
 
 class LayerStream:
@@ -289,6 +310,65 @@ class LayerStream:
             self._release(li, write=self.out is not None)
             self.released += 1
 
+    def quantize_table(self, bits: int, group_size: int, gram: torch.Tensor | None) -> dict:
+        """``embedding_bits`` while streaming: the input embedding (and an untied head) quantized as
+        `hf_tensorcomp.pipeline.quantize_embeddings` does in memory — GPTQ on the head inputs' `gram` for the
+        table the head multiplies by, round to nearest for an untied embedding or without calibration — but
+        read from the source, quantized and written to their own shard a block of rows at a time (GPTQ and
+        round to nearest treat each row on its own, so the blocks give the whole table's codes). The
+        skeleton's modules become the quantized ones, on the meta device. Returns their stats."""
+        from .decompositions.quantize import code_bytes, n_groups, pack, quantize_gptq, quantize_rtn
+        from .layout import embedding_names
+        from .pipeline import install_tables, table_stats
+
+        emb_name, head_name = embedding_names(self.model)
+        emb = self.model.get_submodule(emb_name)
+        emb = getattr(emb, "original", emb)
+        head = self.model.get_submodule(head_name) if head_name else None
+        tied = head is not None and head.weight is emb.weight
+        gptq = "gptq" if gram is not None else "rtn"
+        tables = [(emb_name, gptq if tied else "rtn")] + ([(head_name, gptq)] if head is not None and not tied else [])
+        layout, offset = [], 0  # (module, quantizer, rows, cols, offsets of codes / scales / zeros in the data)
+        header = {"__metadata__": {"format": "pt"}}
+        for name, quantizer in tables:
+            rows, cols = self.shards.info(f"{name}.weight")[1]
+            sizes = {"": (code_bytes(rows * cols, bits), "U8"), "_scale": (n_groups((rows, cols), group_size) * 2, "F16"),
+                     "_zero": (n_groups((rows, cols), group_size), "U8")}
+            starts = {}
+            for suffix, (size, dtype) in sizes.items():
+                header[f"{name}.weight{suffix}"] = {"dtype": dtype, "shape": [size // (2 if dtype == "F16" else 1)],
+                                                    "data_offsets": [offset, offset + size]}
+                starts[suffix] = offset
+                offset += size
+            layout.append((name, quantizer, rows, cols, starts))
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        shard, out = "model-table.safetensors", {}
+        with open(self.out / shard, "wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text)
+            base = f.tell()
+            for name, quantizer, rows, cols, starts in layout:
+                step = max(8, TABLE_BLOCK_BYTES // (8 * cols) // 8 * 8)  # whole bytes of codes per block
+                per_row = n_groups((1, cols), group_size)
+                err = ref = 0.0
+                for r0 in range(0, rows, step):
+                    w = self.shards.block(f"{name}.weight", r0, min(r0 + step, rows)).to(self.dtype)
+                    q = quantize_gptq(w.float(), gram, bits, group_size) if quantizer == "gptq" else \
+                        quantize_rtn(w, bits, group_size)
+                    for suffix, data, at in (("", pack(q.codes[: w.numel()], bits), r0 * cols * bits // 8),
+                                             ("_scale", q.scale.view(torch.uint8), r0 * per_row * 2),
+                                             ("_zero", q.zero, r0 * per_row)):
+                        f.seek(base + starts[suffix] + at)
+                        f.write(data.contiguous().numpy().tobytes())
+                    err += float((w.double() - q.dequantize(torch.float64)).square().sum())
+                    ref += float(w.double().square().sum())
+                    del w, q
+                rel = round(math.sqrt(err / max(ref, 1e-60)), 6)
+                out[name] = table_stats(bits, group_size, quantizer, rel, tied if name == emb_name else None)
+        self.weight_map.update({k: shard for k in header if k != "__metadata__"})
+        install_tables(self.model, emb, head, bits, group_size)  # on the meta device: the saved shapes
+        return out
+
     def reader(self) -> "LayerStream":
         """A stream for a read-only pass over the dense layers (the allocation's statistics); `close` it after."""
         return _ReadOnly(self)
@@ -349,6 +429,12 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     if cfg.heal:
         fail("heal", cfg.heal, "False with compress_checkpoint (end-to-end healing needs the whole model; heal the "
              "compressed checkpoint afterwards with hf_tensorcomp.heal)")
+    if cfg.embedding_bits == "auto":
+        fail("embedding_bits", "auto", "8 | 4 | None with compress_checkpoint ('auto' weighs the table by the dense "
+             "model's head error, a pass over the whole model)")
+    if cfg.embedding_bits and cfg.calibration is not None and not cfg.propagate:
+        fail("propagate", False, "True with compress_checkpoint and embedding_bits (the table's GPTQ reads the compressed "
+             "model's final hidden states, which streaming gets by propagating the calibration text)")
     if states_dir is not None and not Path(states_dir).is_dir():
         raise ValueError(f"compress_checkpoint.states_dir: got {str(states_dir)!r}; allowed: None (states in memory) or an "
                          "existing folder")
@@ -361,6 +447,10 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     with PeakRSS() as peak:
         t0 = time.perf_counter()
         config = AutoConfig.from_pretrained(src)
+        if getattr(config, "quantization_config", None) is not None:
+            raise ValueError(f"compress_checkpoint: src: {src} is compressed or quantized already (its config has a "
+                             "quantization_config); allowed: a dense checkpoint (compress a compressed model again in "
+                             "memory with hf_tensorcomp.compress)")
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.name_or_path = str(src)
@@ -377,6 +467,9 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
         emb = model.get_input_embeddings()
         emb_name = next(n for n, p in model.named_parameters() if p is emb.weight)
         head = model.get_output_embeddings()
+        tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+        if tied and head is not None:  # the skeleton ties as a loaded model does: one table, the head's
+            head.weight = emb.weight
         lazy = {emb_name} | ({next(n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight)}
                              if head is not None else set())  # read row by row / never read: stay on meta
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -385,7 +478,6 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
             if name in reader.where:
                 value = reader.get(name)
                 set_module_tensor_to_device(model, name, "cpu", value=value.to(dtype) if value.is_floating_point() else value)
-        tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
         missing = [n for n in sorted(lazy) if n not in reader.where and not (tied and n != emb_name)]
         missing += [n for n, t in model.named_parameters() if not n.startswith(layer_keys) and n not in lazy
                     and t.device.type == "meta"]
@@ -398,15 +490,17 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
             if states_dir is not None:
                 stream.states_dir = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="hf-tensorcomp-states-",
                                                                                           dir=states_dir)))
-            setattr(holder, attr, StreamedEmbedding(emb, reader, emb_name, dtype))
+            streamed = StreamedEmbedding(emb, reader, emb_name, dtype)
+            setattr(holder, attr, streamed)
             try:
                 compress_model(model, cfg, work=work, stream=stream)
             finally:
-                setattr(holder, attr, emb)
+                if getattr(holder, attr) is streamed:  # (with embedding_bits it is the quantized table by now)
+                    setattr(holder, attr, emb)
             rest = [k for k in model.state_dict() if not k.startswith(layer_keys)]
             if tied and "lm_head.weight" in rest:
                 rest.remove("lm_head.weight")
-            copied = [k for k in rest if k in reader.where]  # unchanged by compression: copied from the source a chunk at a time
+            copied = [k for k in rest if k in reader.where and k not in stream.weight_map]  # unchanged by compression: copied from the source a chunk at a time
             reader.copy_to(copied, tmp / "model-rest.safetensors", dtype)
             weight_map = {**stream.weight_map, **{k: "model-rest.safetensors" for k in copied}}
             made = {k: v.detach().contiguous() for k, v in model.state_dict().items()
@@ -466,6 +560,8 @@ def _memory_bound(reader: ShardReader, prefix: str, n_layers: int, model, cfg: T
     states = 4 * tokens * hidden * 4 if calibrated else 0
     parts = {"layer_fp32": layer_bytes, "compressed_layer": largest_written, "calibration_states": states,
              "layer_statistics": stats_bytes}
+    if cfg.embedding_bits:  # a block of the table's rows: read, GPTQ's float64 copies, codes, de-quantized check
+        parts["table_block"] = 4 * TABLE_BLOCK_BYTES
     parts["bound"] = int(1.5 * sum(parts.values()))
     return parts
 

@@ -340,14 +340,15 @@ def test_embedding_bits_shrink_the_model_by_the_table(tiny_dirs):
     assert plain.config.quantization_config.stats["bytes_after"] - small.config.quantization_config.stats["bytes_after"] == saved
 
 
-def test_embedding_bits_are_refused_twice_and_while_streaming(tiny_dirs, tmp_path):
+def test_embedding_bits_are_refused_twice(tiny_dirs, tmp_path):
     cfg = dict(method="laser", rank=8, progress=False, embedding_bits=4, embedding_group_size=16)
     m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
         **cfg, targets=["self_attn.*"]))
     with pytest.raises(ValueError, match="embedding_bits: the embedding is quantized already"):
         hf_tensorcomp.compress(m, TensorCompressionConfig(**{**cfg, "targets": ["mlp.*"]}))
-    with pytest.raises(ValueError, match="embedding_bits is not supported while streaming"):
-        hf_tensorcomp.compress_checkpoint(tiny_dirs["llama"], tmp_path / "out", TensorCompressionConfig(**cfg))
+    m.save_pretrained(tmp_path / "c")
+    with pytest.raises(ValueError, match="compress_checkpoint: src: .* is compressed or quantized already"):
+        hf_tensorcomp.compress_checkpoint(tmp_path / "c", tmp_path / "out", TensorCompressionConfig(**{**cfg, "targets": ["mlp.*"]}))
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="embedding_bits: got 3"):
         TensorCompressionConfig(method="laser", rank=8, embedding_bits=3)

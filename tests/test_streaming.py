@@ -15,9 +15,10 @@ CAL = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(7
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    """Each tiny architecture saved in many small shards (tied embeddings on the Llama)."""
+    """Each tiny architecture saved in many small shards (tied embeddings on the Llama and the Gemma, untied on the
+    Qwen3)."""
     out = {}
-    for arch in ("llama", "gemma3"):
+    for arch in ("llama", "gemma3", "qwen3"):
         torch.manual_seed(0)
         d = tmp_path_factory.mktemp(f"sharded-{arch}")
         _tiny(arch).save_pretrained(d, max_shard_size="20KB")
@@ -40,6 +41,45 @@ def test_streaming_gives_the_factors_of_in_memory_compression(sharded, tmp_path,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with torch.no_grad():
         assert torch.equal(memory(ids).logits, streamed(ids).logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+@pytest.mark.parametrize("kw", [dict(method="qlr", rank=4, group_size=16, calibration=CAL, embedding_bits=4),
+                                dict(method="laser", rank=4, embedding_bits=8),
+                                dict(method="qlr", target_bytes=0.5, group_size=16, calibration=CAL, allocation="relative",
+                                     embedding_bits=8)])
+def test_streaming_quantizes_the_embedding_table_as_in_memory(sharded, tmp_path, arch, kw, ids, monkeypatch):
+    """``embedding_bits``: the table (GPTQ on the compressed model's final hidden states through the final norm;
+    round to nearest without calibration or for an untied embedding) is read, quantized and written a few rows
+    at a time, and the checkpoint is bit-identical to in-memory compression's — the tie kept, the table in the
+    byte budget counted once. Blocks of 8 rows here: a block boundary that changed a code would show."""
+    from hf_tensorcomp import streaming
+
+    monkeypatch.setattr(streaming, "TABLE_BLOCK_BYTES", 8 * 48 * 8)
+    kw = {**kw, "embedding_group_size": 16}
+    memory = AutoModelForCausalLM.from_pretrained(sharded[arch], quantization_config=TensorCompressionConfig(progress=False, **kw))
+    report = hf_tensorcomp.compress_checkpoint(sharded[arch], tmp_path / "out", TensorCompressionConfig(progress=False, **kw))
+    streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    a, b = memory.state_dict(), streamed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "model.embed_tokens.weight_scale" in a and ("lm_head.weight_scale" in a) == (arch == "qwen3")
+    tables = {k: v for k, v in report["stats"]["modules"].items() if v["method"] == "embedding"}
+    assert tables == {k: v for k, v in memory.config.quantization_config.stats["modules"].items() if v["method"] == "embedding"}
+    assert tables["model.embed_tokens"]["quantizer"] == ("gptq" if "calibration" in kw and arch != "qwen3" else "rtn")
+    if "target_bytes" in kw:
+        assert report["stats"]["allocation"] == memory.config.quantization_config.stats["allocation"]
+    with torch.no_grad():
+        assert torch.equal(memory(ids).logits, streamed(ids).logits)
+
+
+def test_streaming_refuses_table_settings_it_cannot_honour(sharded, tmp_path):
+    for kw, field in [(dict(method="qlr", target_bytes=0.5, group_size=16, calibration=CAL, allocation="relative",
+                            embedding_bits="auto"), "embedding_bits"),
+                      (dict(method="qlr", rank=4, group_size=16, calibration=CAL, embedding_bits=8, propagate=False),
+                       "propagate")]:
+        with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: got .*; allowed: .*compress_checkpoint"):
+            hf_tensorcomp.compress_checkpoint(sharded["llama"], tmp_path / "x", TensorCompressionConfig(progress=False, **kw))
+        assert not (tmp_path / "x").exists()
 
 
 def test_a_failed_run_leaves_no_output_and_overwrite_is_explicit(sharded, tmp_path, monkeypatch):
@@ -132,7 +172,7 @@ def make(path, layers, vocab, hidden, inter):
 make(src, 12, 64000, 768, 1536)
 make(warm, 2, 1000, 64, 128)
 ids = torch.randint(0, 1000, (8, 64), generator=torch.Generator().manual_seed(0))
-cfg = lambda: TensorCompressionConfig(method="laser", rank=64, whiten=True, calibration=ids, progress=False)
+cfg = lambda: TensorCompressionConfig(method="laser", rank=64, whiten=True, calibration=ids, embedding_bits=8, progress=False)
 hf_tensorcomp.compress_checkpoint(warm, out + "-warm", cfg())  # imports and first-call allocations out of the way
 report = hf_tensorcomp.compress_checkpoint(src, out, cfg())
 report.pop("stats")
@@ -142,9 +182,10 @@ print(json.dumps(report))
 
 def test_streaming_peak_memory_stays_within_the_bound(tmp_path):
     """Measured in a fresh process on a model with enlarged layers and a large untied vocabulary (12 layers of
-    24 MB and two 197 MB embedding matrices in float32, 676 MB in all): the peak resident memory above the
-    start stays within 1.5 x (one layer + its compressed form + the calibration states + its statistics),
-    itself well below the model. Holding every layer, or reading the embeddings whole, breaks it."""
+    24 MB and two 197 MB embedding matrices in float32, 676 MB in all), both tables quantized to 8 bits: the
+    peak resident memory above the start stays within 1.5 x (one layer + its compressed form + the
+    calibration states + its statistics + a block of table rows), itself well below the model. Holding
+    every layer, or reading or quantizing a table whole, breaks it."""
     import json
     import subprocess
     import sys

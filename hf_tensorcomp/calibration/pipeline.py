@@ -173,10 +173,13 @@ class LayerwiseRunner:
         progress: bool = True,
         desc: str = "hf_tensorcomp: calibrated compression",
         stream=None,
-    ) -> None:
+        keep_last: bool = False,
+    ):
         """Layers 0..last in order: gather `wanted[li]` ({module name under the layer list: kinds}),
         call ``on_layer(li, stats)`` (True if it changed the layer), move the hidden states on.
-        `stream`: ``stream.upto(li)`` before layer ``li`` runs (loads it, releases those before it)."""
+        `stream`: ``stream.upto(li)`` before layer ``li`` runs (loads it, releases those before it).
+        `keep_last`: return layer `last`'s outputs (recomputed once it changed, with `propagate`; the caller
+        drops them with `drop_states`), else None."""
         hidden = self.hidden
         # a second, dense stream only when some module asks for "cross" and the streams can differ
         paired = propagate and any("cross" in k for w in wanted.values() for k in w.values())
@@ -204,7 +207,7 @@ class LayerwiseRunner:
                 st.weight_grad = self.weight_grad.get(n)
             changed = on_layer(li, stats)
             del stats
-            if changed and propagate and li < last:  # the outputs again, from the compressed layer
+            if changed and propagate and (li < last or keep_last):  # the outputs again, from the compressed layer
                 _drop(out, self.hidden)
                 out = None  # the dense layer's outputs are not needed: freed before the forward, not after it
                 out = self._forward(li, hidden)
@@ -214,5 +217,12 @@ class LayerwiseRunner:
             if paired:
                 _drop(dense, self.hidden, hidden)
                 dense = dense_out
-        _drop(hidden, self.hidden)
         _drop(dense, self.hidden, hidden)
+        if keep_last:
+            return hidden
+        _drop(hidden, self.hidden)
+        return None
+
+    def drop_states(self, states) -> None:
+        """Remove the files of states `run` returned (``keep_last``), unless they are the runner's own."""
+        _drop(states, self.hidden)
