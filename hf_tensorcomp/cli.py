@@ -151,6 +151,8 @@ def cmd_compress(args) -> int:
                              "or leave --peers out") from None
     if args.states_dir is not None and not args.stream:
         raise ValueError(f"--states-dir: got {args.states_dir!r}; allowed: only with --stream")
+    if args.device != "cpu" and not args.stream:
+        raise ValueError(f"--device: got {args.device!r}; allowed: cpu, or another device only with --stream")
     out = Path(args.out)
     _check_out(out, args.overwrite)
     src = _resolve(args.model)
@@ -158,7 +160,8 @@ def cmd_compress(args) -> int:
     if args.stream:
         from . import compress_checkpoint
 
-        report = compress_checkpoint(src, out, cfg, dtype=dtype, overwrite=args.overwrite, states_dir=args.states_dir)
+        report = compress_checkpoint(src, out, cfg, dtype=dtype, overwrite=args.overwrite, states_dir=args.states_dir,
+                                     device=args.device)
         print(json.dumps({k: v for k, v in report.items() if k != "stats"}, indent=2))
         return 0
     try:
@@ -394,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one decoder layer in memory at a time, read from the model folder's shards (no evaluation)")
     c.add_argument("--states-dir", default=None, metavar="DIR",
                    help="with --stream: keep the calibration hidden states in a temporary folder in DIR, one batch in memory")
+    c.add_argument("--device", default="cpu",
+                   help="with --stream: where each layer is worked on: cpu (default) | cuda | cuda:N")
     c.add_argument("--peers", action="store_true",
                    help="also report optimum-quanto int8 / int4 weight-only on the same text (pip install \"hf_tensorcomp[quanto]\")")
     c.add_argument("--push-to-hub", metavar="REPO", default=None)

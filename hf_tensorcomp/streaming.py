@@ -242,8 +242,8 @@ class StreamedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         used, local = torch.unique(ids, return_inverse=True)
         small = copy.copy(self.original)
-        small._parameters = {**self.original._parameters,
-                             "weight": nn.Parameter(self.reader.rows(self.name, used, self.dtype), requires_grad=False)}
+        rows = self.reader.rows(self.name, used.cpu(), self.dtype).to(ids.device)
+        small._parameters = {**self.original._parameters, "weight": nn.Parameter(rows, requires_grad=False)}
         return small(local)
 
 
@@ -253,8 +253,9 @@ TABLE_BLOCK_BYTES = 8 << 20  # rows of an embedding table quantized at once: thi
 class LayerStream:
     """Loads decoder layer ``li`` when the pipeline reaches it; writes out and releases the layers before it."""
 
-    def __init__(self, model, reader: ShardReader, out: Path | None, dtype: torch.dtype, peak: PeakRSS | None = None):
-        self.model, self.shards, self.out, self.dtype, self.peak = model, reader, out, dtype, peak
+    def __init__(self, model, reader: ShardReader, out: Path | None, dtype: torch.dtype, peak: PeakRSS | None = None,
+                 device: torch.device = torch.device("cpu")):
+        self.model, self.shards, self.out, self.dtype, self.peak, self.device = model, reader, out, dtype, peak, device
         self.prefix, self.layers = find_decoder_layers(model)
         self.loaded: set[int] = set()
         self.released = 0
@@ -273,20 +274,23 @@ class LayerStream:
             self.peak.mark()
         head = f"{self.prefix}.{li}."
         for name, t in [*self.layers[li].named_parameters(), *self.layers[li].named_buffers()]:
-            if t.device.type != "meta":
-                continue
             full = head + name
+            if t.device.type != "meta":  # a buffer the skeleton built itself (e.g. rotary frequencies)
+                if t.device != self.device:
+                    set_module_tensor_to_device(self.model, full, self.device)
+                continue
             if full not in self.shards.where:
                 raise ValueError(f"compress_checkpoint: {full} is missing from the source checkpoint")
             value = self.shards.get(full)
-            set_module_tensor_to_device(self.model, full, "cpu", value=value.to(self.dtype) if value.is_floating_point() else value)
+            set_module_tensor_to_device(self.model, full, self.device,
+                                        value=value.to(self.dtype) if value.is_floating_point() else value)
         self.loaded.add(li)
 
     def _release(self, li: int, write: bool) -> None:
         layer = self.layers[li]
         if write:
             head = f"{self.prefix}.{li}."
-            tensors = {head + k: v.detach().contiguous() for k, v in layer.state_dict().items()}
+            tensors = {head + k: v.detach().cpu().contiguous() for k, v in layer.state_dict().items()}
             self.largest_written = max(self.largest_written, sum(t.numel() * t.element_size() for t in tensors.values()))
             shard = f"layer-{li:05d}.safetensors"
             save_file(tensors, str(self.out / shard), metadata={"format": "pt"})
@@ -352,15 +356,15 @@ class LayerStream:
                 per_row = n_groups((1, cols), group_size)
                 err = ref = 0.0
                 for r0 in range(0, rows, step):
-                    w = self.shards.block(f"{name}.weight", r0, min(r0 + step, rows)).to(self.dtype)
-                    q = quantize_gptq(w.float(), gram, bits, group_size) if quantizer == "gptq" else \
+                    w = self.shards.block(f"{name}.weight", r0, min(r0 + step, rows)).to(self.device, self.dtype)
+                    q = quantize_gptq(w.float(), gram.to(self.device), bits, group_size) if quantizer == "gptq" else \
                         quantize_rtn(w, bits, group_size)
                     for suffix, data, at in (("", pack(q.codes[: w.numel()], bits), r0 * cols * bits // 8),
                                              ("_scale", q.scale.view(torch.uint8), r0 * per_row * 2),
                                              ("_zero", q.zero, r0 * per_row)):
                         f.seek(base + starts[suffix] + at)
-                        f.write(data.contiguous().numpy().tobytes())
-                    err += float((w.double() - q.dequantize(torch.float64)).square().sum())
+                        f.write(data.cpu().contiguous().numpy().tobytes())
+                    err += float((w.double() - q.dequantize(torch.float64)).square().sum())  # (float64: on CPU or CUDA)
                     ref += float(w.double().square().sum())
                     del w, q
                 rel = round(math.sqrt(err / max(ref, 1e-60)), 6)
@@ -376,7 +380,7 @@ class LayerStream:
 
 class _ReadOnly(LayerStream):
     def __init__(self, parent: LayerStream):
-        super().__init__(parent.model, parent.shards, None, parent.dtype, parent.peak)
+        super().__init__(parent.model, parent.shards, None, parent.dtype, parent.peak, parent.device)
 
     def upto(self, li: int, release_last: bool = False) -> None:
         for j in sorted(self.loaded):
@@ -411,7 +415,9 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     in memory at a time; returns a report (peak resident memory, seconds per layer, the stats).
 
     max_memory: accepted for the report only (the bound is structural: one layer, the non-layer tensors
-    and the calibration states); device: "cpu" (an accelerator is not used by the streaming path yet).
+    and the calibration states); device: "cpu" | "cuda" | "cuda:N": where each layer, its statistics,
+    decompositions and calibration forwards, the calibration states and the table's blocks live while
+    worked on (shards are read and written on the host; the bound counts host memory).
     states_dir: None (the calibration hidden states in memory) or an existing folder: they are written
     to a temporary folder in it, one file per calibration batch, read back one batch at a time, and
     removed at the end (memory then holds one batch of them).
@@ -424,8 +430,13 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
 
     if not isinstance(cfg, TensorCompressionConfig):
         raise ValueError(f"compress_checkpoint: cfg: got {type(cfg).__name__}; allowed: a TensorCompressionConfig")
-    if device != "cpu":
-        fail("device", device, "'cpu' (the streaming path runs on the CPU; compress in memory to use an accelerator)")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"compress_checkpoint.device: got {device!r}; allowed: 'cpu', or 'cuda' | 'cuda:N' where "
+                         f"torch sees a CUDA device (here: {torch.cuda.device_count()})")
     if cfg.heal:
         fail("heal", cfg.heal, "False with compress_checkpoint (end-to-end healing needs the whole model; heal the "
              "compressed checkpoint afterwards with hf_tensorcomp.heal)")
@@ -473,11 +484,14 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
         lazy = {emb_name} | ({next(n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight)}
                              if head is not None else set())  # read row by row / never read: stay on meta
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if name.startswith(layer_keys) or t.device.type != "meta" or name in lazy:
+            if name.startswith(layer_keys) or name in lazy:
                 continue
-            if name in reader.where:
+            if t.device.type != "meta":  # a buffer the skeleton built itself (rotary frequencies, Gemma's scale)
+                if t.device != dev:
+                    set_module_tensor_to_device(model, name, dev)
+            elif name in reader.where:
                 value = reader.get(name)
-                set_module_tensor_to_device(model, name, "cpu", value=value.to(dtype) if value.is_floating_point() else value)
+                set_module_tensor_to_device(model, name, dev, value=value.to(dtype) if value.is_floating_point() else value)
         missing = [n for n in sorted(lazy) if n not in reader.where and not (tied and n != emb_name)]
         missing += [n for n, t in model.named_parameters() if not n.startswith(layer_keys) and n not in lazy
                     and t.device.type == "meta"]
@@ -486,7 +500,7 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
         parent, _, attr = next(n for n, m in model.named_modules() if m is emb).rpartition(".")
         holder = model.get_submodule(parent) if parent else model
         with atomic_dir(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as scratch:
-            stream = LayerStream(model, reader, tmp, dtype, peak)
+            stream = LayerStream(model, reader, tmp, dtype, peak, dev)
             if states_dir is not None:
                 stream.states_dir = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="hf-tensorcomp-states-",
                                                                                           dir=states_dir)))
@@ -503,7 +517,7 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
             copied = [k for k in rest if k in reader.where and k not in stream.weight_map]  # unchanged by compression: copied from the source a chunk at a time
             reader.copy_to(copied, tmp / "model-rest.safetensors", dtype)
             weight_map = {**stream.weight_map, **{k: "model-rest.safetensors" for k in copied}}
-            made = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+            made = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
                     if k in rest and k not in reader.where and v.device.type != "meta"}
             if made:  # persistent buffers the model builds itself
                 save_file(made, str(tmp / "model-built.safetensors"), metadata={"format": "pt"})

@@ -67,3 +67,22 @@ def test_einsort_cache_lossless_on_gpu(tiny_dirs):
     cache = EinSortCache(model.config, rank=1000, segment=4, residual=3)
     out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
     assert torch.equal(out, ref)
+
+
+@torch.no_grad()
+def test_streaming_on_gpu_matches_cpu(tiny_dirs, ids, tmp_path):
+    """``compress_checkpoint(..., device="cuda")``: each layer, its statistics and decompositions, the calibration
+    states and the table's GPTQ on the GPU; the checkpoint is written from the host and reloads anywhere."""
+    import hf_tensorcomp
+
+    cfg = dict(method="laser", target=0.7, whiten=True, allocation="relative", calibration=CAL, embedding_bits=8,
+               embedding_group_size=16, progress=False)
+    hf_tensorcomp.compress_checkpoint(tiny_dirs["llama"], tmp_path / "cpu", TensorCompressionConfig(**cfg))
+    report = hf_tensorcomp.compress_checkpoint(tiny_dirs["llama"], tmp_path / "gpu", TensorCompressionConfig(**cfg),
+                                               device="cuda")
+    assert report["stats"]["modules"]["model.embed_tokens"]["quantizer"] == "gptq"
+    cpu = AutoModelForCausalLM.from_pretrained(tmp_path / "cpu").eval()
+    gpu = AutoModelForCausalLM.from_pretrained(tmp_path / "gpu").eval()
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()(ids).logits
+    want, got = cpu(ids).logits, gpu(ids).logits
+    assert rel_err(got, want) < 1e-2 * max(rel_err(want, dense), 1e-3) + 1e-4

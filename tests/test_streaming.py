@@ -80,6 +80,10 @@ def test_streaming_refuses_table_settings_it_cannot_honour(sharded, tmp_path):
         with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: got .*; allowed: .*compress_checkpoint"):
             hf_tensorcomp.compress_checkpoint(sharded["llama"], tmp_path / "x", TensorCompressionConfig(progress=False, **kw))
         assert not (tmp_path / "x").exists()
+    for device in ("tpu", "cuda:7" if torch.cuda.device_count() < 8 else "tpu"):
+        with pytest.raises(ValueError, match=r"compress_checkpoint\.device: got .*; allowed: 'cpu', or 'cuda'"):
+            hf_tensorcomp.compress_checkpoint(sharded["llama"], tmp_path / "x", TensorCompressionConfig(method="laser", rank=4),
+                                              device=device)
 
 
 def test_a_failed_run_leaves_no_output_and_overwrite_is_explicit(sharded, tmp_path, monkeypatch):
