@@ -56,6 +56,15 @@ def _header(path: Path) -> tuple[dict, int]:
     return head, 8 + n
 
 
+def _write_header(f, header: dict) -> int:
+    """Write a safetensors header (its length, then the JSON padded to 8 bytes) at the start of the open file
+    `f`; returns where the data begins. The tensors' bytes follow at their ``data_offsets``."""
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    f.write(len(text).to_bytes(8, "little") + text)
+    return 8 + len(text)
+
+
 class PeakRSS:
     """Peak resident memory of this process above its value at the start, sampled every 2 ms from
     ``/proc/self/statm`` (elsewhere: the process's lifetime maximum, an upper bound)."""
@@ -150,14 +159,8 @@ class ShardReader:
         """One stored tensor, read from its file into a new tensor. Plain reads, not safetensors' ``safe_open``:
         that maps the whole shard, so a process under an address-space limit smaller than a shard could not
         open it (and the mapping's pages count as resident while they are touched)."""
-        dtype, shape, begin, end = self.info(name)
-        out = torch.empty(shape, dtype=dtype)
-        with open(self.where[name], "rb") as f:
-            f.seek(begin)
-            if f.readinto(out.reshape(-1).view(torch.uint8).numpy()) != end - begin:
-                raise ValueError(f"compress_checkpoint: {self.where[name]} ends inside tensor {name!r}; the shard is "
-                                 "truncated")
-        return out
+        shape = self.info(name)[1]
+        return self.block(name, 0, shape[0]) if shape else self.block(name, 0, 1).reshape(())
 
     def info(self, name: str) -> tuple[torch.dtype, list[int], int, int]:
         """(dtype, shape, first byte, end byte) of a stored tensor in its file."""
@@ -182,7 +185,7 @@ class ShardReader:
         return out.to(dtype)
 
     def block(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of a stored tensor (one contiguous read)."""
+        """Rows ``start:stop`` of a stored tensor (one contiguous read; a 0-d tensor is one row)."""
         stored, shape, begin, _ = self.info(name)
         width = math.prod(shape[1:]) * stored.itemsize
         out = torch.empty(stop - start, *shape[1:], dtype=stored)
@@ -206,11 +209,9 @@ class ShardReader:
         head = {"__metadata__": {"format": "pt"}}
         head.update({n: {"dtype": _NAMES[o], "shape": shape, "data_offsets": [off, off + (e - b) // sd.itemsize * o.itemsize]}
                      for n, sd, o, shape, b, e, off in plan})
-        text = json.dumps(head, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
         step = chunk - chunk % 8
         with open(path, "wb") as out:
-            out.write(len(text).to_bytes(8, "little") + text)
+            _write_header(out, head)
             for name, sd, od, _, begin, end, _ in plan:
                 with open(self.where[name], "rb") as f:
                     f.seek(begin)
@@ -345,12 +346,9 @@ class LayerStream:
                 starts[suffix] = offset
                 offset += size
             layout.append((name, quantizer, rows, cols, starts))
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
         shard, out = "model-table.safetensors", {}
         with open(self.out / shard, "wb") as f:
-            f.write(len(text).to_bytes(8, "little") + text)
-            base = f.tell()
+            base = _write_header(f, header)
             for name, quantizer, rows, cols, starts in layout:
                 step = max(8, TABLE_BLOCK_BYTES // (8 * cols) // 8 * 8)  # whole bytes of codes per block
                 per_row = n_groups((1, cols), group_size)
