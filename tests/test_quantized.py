@@ -55,6 +55,21 @@ def test_gptq_beats_round_to_nearest_on_the_output_error(data):
     assert err["gptq"] < 0.9 * err["rtn"]
 
 
+@pytest.mark.parametrize("grid", ["minmax", "search"])
+def test_gptq_in_row_blocks_gives_the_codes_of_the_whole_matrix(data, monkeypatch, grid):
+    """GPTQ spreads each error along its own row, so working on a few rows at a time (what bounds the memory
+    of a 262k-row embedding table) changes no code, scale or zero point."""
+    from hf_tensorcomp.decompositions import quantize as qmod
+
+    w, x = data
+    whole = quantize_gptq(w, x.T @ x, 4, 64, grid=grid)
+    monkeypatch.setattr(qmod, "GPTQ_BLOCK_BYTES", 8 * w.shape[1] * 5)  # blocks of 5 rows, the last one short
+    assert w.shape[0] % 5
+    blocks = quantize_gptq(w, x.T @ x, 4, 64, grid=grid)
+    for k in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(whole, k), getattr(blocks, k)), k
+
+
 def _qlr(tiny_dirs, **kw):
     cfg = TensorCompressionConfig(method="qlr", calibration=calib(), progress=False, **{"group_size": 16, **kw})
     return AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg).eval()

@@ -135,6 +135,9 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, grid: str = "minma
     return QTensor(codes.to(torch.uint8).reshape(-1), scale.half(), zero.to(torch.uint8), bits, group_size, tuple(w.shape))
 
 
+GPTQ_BLOCK_BYTES = 64 << 20  # rows of a matrix GPTQ works on at once: this many bytes of them in float64
+
+
 def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: int, damping: float = 0.01,
                   grid: str = "minmax") -> QTensor:
     """GPTQ: quantize the columns of ``w`` (out x in) in order, spreading each column's rounding error
@@ -142,19 +145,32 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: in
 
     Each group's grid (`grid_for`) is taken from the (updated) weights when the quantizer reaches the
     group, as in the reference implementation (the last group of a row may be shorter). Dead inputs (zero Gram diagonal)
-    get a unit diagonal and their weights are quantized as they are.
+    get a unit diagonal and their weights are quantized as they are. Every row is quantized on its own (the
+    error spreads along a row), so the rows are worked on a block at a time (``GPTQ_BLOCK_BYTES`` of them
+    in float64): an embedding table of 262k rows costs a block's working memory, not the table's five times.
     """
     if bits not in BITS:
         raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
     out_f, in_f = w.shape
-    W = w.detach().double().clone()
     H = gram.detach().double().clone()
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
     H.diagonal().add_(damping * H.diagonal().mean())
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    del H
+    step = max(1, GPTQ_BLOCK_BYTES // (8 * in_f))
+    parts = [_gptq_rows(w[r0: r0 + step], Hinv, bits, group_size, grid) for r0 in range(0, out_f, step)]
+    codes, scales, zeros = (torch.cat([p[k] for p in parts]) for k in range(3))
+    return QTensor(codes.reshape(-1), scales.reshape(-1), zeros.reshape(-1), bits, group_size, (out_f, in_f))
+
+
+def _gptq_rows(w: torch.Tensor, Hinv: torch.Tensor, bits: int, group_size: int, grid: str):
+    """`quantize_gptq` on a block of rows, given the upper Cholesky factor of the damped inverse Gram:
+    (codes uint8, scales float16, zero points uint8), each (rows, ...)."""
+    out_f, in_f = w.shape
+    W = w.detach().double().clone()
     codes = torch.zeros_like(W)
-    scales = torch.zeros(out_f, -(-in_f // group_size), dtype=torch.float64)
+    scales = torch.zeros(out_f, -(-in_f // group_size), dtype=torch.float64, device=W.device)
     zeros = torch.zeros_like(scales)
     block = group_size * max(1, 128 // group_size)  # whole groups per block: a group's grid sees its updated weights
     for i1 in range(0, in_f, block):
@@ -175,8 +191,7 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: in
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    return QTensor(codes.to(torch.uint8).reshape(-1), scales.reshape(-1).half(), zeros.reshape(-1).to(torch.uint8),
-                   bits, group_size, (out_f, in_f))
+    return codes.to(torch.uint8), scales.half(), zeros.to(torch.uint8)
 
 
 def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
