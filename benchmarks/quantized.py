@@ -235,6 +235,7 @@ def _gptqmodel_row(job: dict) -> dict:
     from hf_tensorcomp.calibration import calibration_ids
 
     path, tok, row = child_setup(job)
+    path = str(path)  # GPTQModel reads a Path as a Hub repo id
     ids = calibration_ids("wikipedia", tok, job["calibration_samples"], job["calibration_length"], 0)
     data = [{"input_ids": r.tolist(), "attention_mask": [1] * len(r)} for r in ids]
     cache = os.path.join(tempfile.gettempdir(), "hf_tensorcomp_gptqmodel",
@@ -256,14 +257,20 @@ def _gptqmodel_row(job: dict) -> dict:
                                        calibration_dataset_concat_size=0, device="cpu")
         row["mean_rank"] = rank
     row["compress_s"] = round(time.perf_counter() - t0, 1)
+    # its torch kernel takes float16 / bfloat16 only: scored in bfloat16, against the dense model in bfloat16
     model = GPTQModel.load(os.path.join(cache, "q"), adapter=adapter, backend=BACKEND.GPTQ_TORCH, device="cpu",
-                           dtype=torch.float32).model.eval()
+                           dtype=torch.bfloat16).model.eval()
     row["bits"] = [4]
     stored, dense = _linear_bytes(model)
     row["linear_bytes"] = stored / dense
     row["model_bytes"] = _model_bytes(model, stored, dense)
     row.update({f"ppl_{c}": v for c, v in ppl_both(model, tok, job["eval_tokens"]).items()})
     row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    del model
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    row["dense_ref"] = {"dtype": "bfloat16", **{f"ppl_{c}": v for c, v in ppl_both(dense, tok, job["eval_tokens"]).items()}}
     print(json.dumps(row))
     return row
 
@@ -345,8 +352,8 @@ def report(rows: list[dict]) -> str:
     for model, rs, dense in per_model(rows):
         for r in rs:
             r["model_ratio"] = r["model_bytes"] / dense["model_bytes"]
-            for c in ("wikipedia", "owt"):
-                r[f"x_{c}"] = r[f"ppl_{c}"] / dense[f"ppl_{c}"]
+            for c in ("wikipedia", "owt"):  # a row scored in another dtype: against the dense model in it
+                r[f"x_{c}"] = r[f"ppl_{c}"] / r.get("dense_ref", dense)[f"ppl_{c}"]
             if "tok_s" in r and "tok_s" in dense:
                 r["speed"] = r["tok_s"] / dense["tok_s"]
         out.append(f"### {model} (dense perplexity: Wikipedia {dense['ppl_wikipedia']:.2f}, OpenWebText {dense['ppl_owt']:.2f})\n")
@@ -389,7 +396,9 @@ def header(cfg: dict) -> str:
         f"{cfg['group_size']} with integer zero points (the bundled models are de-quantized GGUF 4-bit files with blocks "
         "of 32, which a 32-group float-minimum quantizer would reproduce for free). Decode speed of hf_tensorcomp's own "
         "rows: benchmarks/results/decode_speed.md (its 4-bit rows run the CPU int4 kernel in float32 since it was "
-        "measured here). Written by benchmarks/quantized.py.\n\n"
+        "measured here). GPTQModel rows (its GPTQ int4 with its defaults: symmetric, no activation order; + its EoRA "
+        "correction) run in bfloat16, as its CPU kernel requires, and their ratios are to the dense model in bfloat16. "
+        "Written by benchmarks/quantized.py.\n\n"
     )
 
 
