@@ -127,9 +127,11 @@ def _linear_bytes(model) -> tuple[int, int]:
                 dense += m.in_features * m.out_features * 2
             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
                 stored += t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
-        elif "qweight" in m._buffers:  # GPTQModel's packed linears: every stored tensor (an EoRA adapter's too)
+        elif "qweight" in m._buffers:  # GPTQModel's packed linears: every stored tensor, its EoRA adapter's too
             dense += m.in_features * m.out_features * 2
-            stored += sum(_tensor_bytes(t) for t in [*m.parameters(), *m.buffers()])
+            adapter = getattr(m, "adapter", None)  # (a plain object holding lora_A / lora_B)
+            lora = [t for t in (getattr(adapter, "lora_A", None), getattr(adapter, "lora_B", None)) if t is not None]
+            stored += sum(_tensor_bytes(t) for t in [*m.parameters(), *m.buffers(), *lora])
         elif isinstance(m, torch.nn.Linear):
             dense += m.weight.numel() * 2
             bits = getattr(getattr(m, "weight_qtype", None), "bits", 16)  # optimum-quanto's QLinear
@@ -154,7 +156,7 @@ def _is_linear(m) -> bool:
 
     from hf_tensorcomp.layers import FactorizedModule
 
-    return isinstance(m, (torch.nn.Linear, FactorizedModule)) and hasattr(m, "in_features")
+    return (isinstance(m, (torch.nn.Linear, FactorizedModule)) or "qweight" in m._buffers) and hasattr(m, "in_features")
 
 
 def _as_shipped(modules) -> int:
@@ -206,13 +208,15 @@ def _gptqmodel_external(job: dict) -> dict:
     import json
     import os
     import subprocess
+    import tempfile
 
     python = os.environ.get("GPTQMODEL_PYTHON")
     row = {"model": job["model"], "row": job["row"]}
     if not python:
         return {**row, "error": "GPTQMODEL_PYTHON is not set (the interpreter of a virtual environment with "
                                 "gptqmodel==7.6.0; see this script's docstring)"}
-    run = subprocess.run([python, __file__, "--gptqmodel-row", json.dumps(job)], capture_output=True, text=True)
+    run = subprocess.run([python, os.path.abspath(__file__), "--gptqmodel-row", json.dumps(job)], capture_output=True,
+                         text=True, cwd=tempfile.gettempdir())  # (GPTQModel writes a logs/ folder where it runs)
     lines = run.stdout.strip().splitlines()
     if run.returncode or not lines:
         return {**row, "error": f"exit {run.returncode}: {run.stderr.strip()[-400:]}"}
@@ -240,23 +244,33 @@ def _gptqmodel_row(job: dict) -> dict:
     data = [{"input_ids": r.tolist(), "attention_mask": [1] * len(r)} for r in ids]
     cache = os.path.join(tempfile.gettempdir(), "hf_tensorcomp_gptqmodel",
                          f"{job['model']}-g{job['group_size']}-{job['calibration_samples']}x{job['calibration_length']}")
-    t0 = time.perf_counter()
-    if not os.path.exists(os.path.join(cache, "q", "config.json")):
+
+    def timed(folder, make):  # a step's seconds, kept beside its cached output (a cached rerun reports them too)
+        seconds = os.path.join(cache, folder + ".seconds")
+        if not os.path.exists(seconds):
+            t0 = time.perf_counter()
+            make()
+            with open(seconds, "w") as f:
+                f.write(str(round(time.perf_counter() - t0, 1)))
+        with open(seconds) as f:
+            return float(f.read())
+
+    def quantize():
         m = GPTQModel.load(path, QuantizeConfig(bits=4, group_size=job["group_size"]), device="cpu")
         m.quantize(data, batch_size=1)
         m.save(os.path.join(cache, "q"))
-        del m
-    row["gptq_s"] = round(time.perf_counter() - t0, 1)
+
+    os.makedirs(cache, exist_ok=True)
+    row["gptq_s"] = row["compress_s"] = timed("q", quantize)
     adapter = None
     if "_eora" in job["row"]:
         rank = int(job["row"].rsplit("_eora", 1)[1])
         adapter = Lora(path=os.path.join(cache, f"eora{rank}"), rank=rank)
-        if not os.path.exists(adapter.path):
-            GPTQModel.adapter.generate(adapter=adapter, model_id_or_path=path,
-                                       quantized_model_id_or_path=os.path.join(cache, "q"), calibration_dataset=data,
-                                       calibration_dataset_concat_size=0, device="cpu")
+        row["eora_s"] = timed(f"eora{rank}", lambda: GPTQModel.adapter.generate(
+            adapter=adapter, model_id_or_path=path, quantized_model_id_or_path=os.path.join(cache, "q"),
+            calibration_dataset=data, calibration_dataset_concat_size=0, device="cpu"))
+        row["compress_s"] += row["eora_s"]
         row["mean_rank"] = rank
-    row["compress_s"] = round(time.perf_counter() - t0, 1)
     # its torch kernel takes float16 / bfloat16 only: scored in bfloat16, against the dense model in bfloat16
     model = GPTQModel.load(os.path.join(cache, "q"), adapter=adapter, backend=BACKEND.GPTQ_TORCH, device="cpu",
                            dtype=torch.bfloat16).model.eval()
@@ -269,8 +283,8 @@ def _gptqmodel_row(job: dict) -> dict:
     del model
     from transformers import AutoModelForCausalLM
 
-    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    row["dense_ref"] = {"dtype": "bfloat16", **{f"ppl_{c}": v for c, v in ppl_both(dense, tok, job["eval_tokens"]).items()}}
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    row["dense_ref"] = {"dtype": "bfloat16", **{f"ppl_{c}": v for c, v in ppl_both(ref, tok, job["eval_tokens"]).items()}}
     print(json.dumps(row))
     return row
 
