@@ -85,7 +85,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
     try:
         runner = calibrate(model, config, work, methods, stream)  # 2. calibrate
         allocation = allocate(config, work, methods, layer_list, runner, stream, model)  # 3. allocate
-        module_stats = compress_units(model, config, work, methods, runner, allocation, stream)  # 4. compress + check
+        module_stats, final = compress_units(model, config, work, methods, runner, allocation, stream)  # 4. compress + check
         finished = {}
         ctx = model_context(model)
         for k, entry in enumerate(config.entries):  # a method's whole-model step after its units (e.g. recovery)
@@ -95,7 +95,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
         if config.embedding_bits:
             bits = next((a["embedding_bits"] for a in allocation.values() if "embedding_bits" in a), config.embedding_bits)
             if stream is not None:  # the table read, quantized and written a block of rows at a time
-                module_stats.update(stream.quantize_table(bits, config.embedding_group_size, final_gram(model, runner)))
+                module_stats.update(stream.quantize_table(bits, config.embedding_group_size, final_gram(model, runner, final)))
             else:
                 ids = runner.ids if runner is not None else _calibration_ids(model, config)
                 module_stats.update(quantize_embeddings(model, bits, config.embedding_group_size, ids,
@@ -153,11 +153,12 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
 
 
 def compress_units(model: nn.Module, config: TensorCompressionConfig, work, methods, runner, allocation,
-                   stream=None) -> dict:
+                   stream=None) -> tuple[dict, object]:
     """Stage 4: every unit compressed, checked and put in place; layer by layer with calibration.
 
     A unit is compressed once its last layer's statistics are in; with ``config.propagate`` the
-    next layer sees the compressed layer's outputs. Returns {full module name: its stats}.
+    next layer sees the compressed layer's outputs. Returns ({full module name: its stats}, the last
+    decoder layer's outputs when streaming with ``embedding_bits`` — what `final_gram` reads — else None).
     """
     prefix, layer_list = find_decoder_layers(model)
     ctx = model_context(model)
@@ -191,7 +192,7 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
             compress_unit(k, names, None)
         if stream is not None:
             stream.upto(len(layer_list) - 1, release_last=True)
-        return module_stats
+        return module_stats, None
     by_last: dict[int, list] = {}
     for k, names in work:
         by_last.setdefault(max(_layer_of(n) for n in names), []).append((k, names))
@@ -207,11 +208,9 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
     keep = stream is not None and bool(config.embedding_bits)  # the final states: the streamed table's GPTQ reads them
     final = runner.run(wanted, on_layer, last=len(layer_list) - 1 if keep else max(by_last), propagate=config.propagate,
                        progress=config.progress, stream=stream, keep_last=keep)
-    if keep:
-        runner.final = final
     if stream is not None:
         stream.upto(len(layer_list) - 1, release_last=True)
-    return module_stats
+    return module_stats, final
 
 
 def _embedding_names(model: nn.Module) -> tuple[str, str | None]:
@@ -275,11 +274,11 @@ def head_gram(model: nn.Module, head: nn.Module, ids: torch.Tensor, batch_size: 
     return stats.gram.float()
 
 
-def final_gram(model: nn.Module, runner) -> torch.Tensor | None:
-    """XᵀX of the head's inputs from the runner's final hidden states (``runner.final``: the last decoder layer's
-    outputs, propagated through the compressed layers) through the model's final norm: what `head_gram`
-    gathers with a forward pass of the whole model, for a model that is never whole (streaming). None
-    without calibration."""
+def final_gram(model: nn.Module, runner, final) -> torch.Tensor | None:
+    """XᵀX of the head's inputs from the `final` hidden states (the last decoder layer's outputs, propagated
+    through the compressed layers; dropped here) through the model's final norm: what `head_gram` gathers
+    with a forward pass of the whole model, for a model that is never whole (streaming). None without
+    calibration."""
     if runner is None:
         return None
     from .calibration.stats import ModuleStats
@@ -290,11 +289,10 @@ def final_gram(model: nn.Module, runner) -> torch.Tensor | None:
                          "layers to give the head's inputs; allowed: embedding_bits=None, or compress in memory")
     stats = ModuleStats(frozenset({"gram"}))
     with torch.no_grad():
-        for h in runner.final:
+        for h in final:
             x = norm(h)
             stats.add(x.detach().reshape(-1, x.shape[-1]).float())
-    runner.drop_states(runner.final)
-    runner.final = None
+    runner.drop_states(final)
     return stats.gram.float()
 
 
