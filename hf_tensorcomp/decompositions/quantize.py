@@ -138,8 +138,18 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, grid: str = "minma
 GPTQ_BLOCK_BYTES = 64 << 20  # rows of a matrix GPTQ works on at once: this many bytes of them in float64
 
 
-def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: int, damping: float = 0.01,
-                  grid: str = "minmax") -> QTensor:
+def gptq_inverse(gram: torch.Tensor, damping: float = 0.01) -> torch.Tensor:
+    """The upper Cholesky factor of the damped inverse Gram GPTQ spreads errors with (float64). Dead inputs
+    (zero diagonal) get a unit diagonal."""
+    H = gram.detach().double().clone()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1.0
+    H.diagonal().add_(damping * H.diagonal().mean())
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
+def quantize_gptq(w: torch.Tensor, gram: torch.Tensor | None, bits: int, group_size: int, damping: float = 0.01,
+                  grid: str = "minmax", inverse: torch.Tensor | None = None) -> QTensor:
     """GPTQ: quantize the columns of ``w`` (out x in) in order, spreading each column's rounding error
     over the columns not yet quantized so that ‖(W - Q) Xᵀ‖ stays small (``gram`` = XᵀX, in x in).
 
@@ -148,16 +158,12 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor, bits: int, group_size: in
     get a unit diagonal and their weights are quantized as they are. Every row is quantized on its own (the
     error spreads along a row), so the rows are worked on a block at a time (``GPTQ_BLOCK_BYTES`` of them
     in float64): an embedding table of 262k rows costs a block's working memory, not the table's five times.
+    `inverse`: `gptq_inverse` of the Gram, computed once by a caller quantizing one matrix in several calls.
     """
     if bits not in BITS:
         raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
     out_f, in_f = w.shape
-    H = gram.detach().double().clone()
-    dead = H.diagonal() == 0
-    H[dead, dead] = 1.0
-    H.diagonal().add_(damping * H.diagonal().mean())
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    del H
+    Hinv = gptq_inverse(gram, damping) if inverse is None else inverse
     step = max(1, GPTQ_BLOCK_BYTES // (8 * in_f))
     parts = [_gptq_rows(w[r0: r0 + step], Hinv, bits, group_size, grid) for r0 in range(0, out_f, step)]
     codes, scales, zeros = (torch.cat([p[k] for p in parts]) for k in range(3))
