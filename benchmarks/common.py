@@ -201,6 +201,19 @@ def ppl_both(model, tok, max_tokens: int) -> dict:
     return out
 
 
+def wikihow(model, tok, examples: int) -> dict:
+    """BIG-bench goal_step_wikihow multiple-choice accuracy on its first ``examples`` examples (zero-shot,
+    length-normalised), with its standard error and count, outside inference mode."""
+    from hf_tensorcomp.assets import load_bigbench_task
+    from hf_tensorcomp.eval.multiple_choice import multiple_choice_accuracy
+
+    with torch.inference_mode(False), torch.no_grad():
+        r = multiple_choice_accuracy(model, tok, load_bigbench_task("goal_step_wikihow"), max_examples=examples,
+                                     progress=False)
+    acc, n = r["accuracy"], r["n"]
+    return {"wikihow": acc, "wikihow_se": (acc * (1 - acc) / n) ** 0.5, "wikihow_n": n}
+
+
 def per_model(rows: list[dict], key: str = "row"):
     """``(model, its rows, its dense row)`` for each model (in order) whose rows include a dense one."""
     for model in dict.fromkeys(r["model"] for r in rows):

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_main, child_setup, markdown_table, per_model, ppl_both, ratio_plot, run_rows  # noqa: E402
+from common import bench_main, child_setup, markdown_table, per_model, ppl_both, ratio_plot, run_rows, wikihow  # noqa: E402
 from quantized import _linear_bytes  # noqa: E402
 
 NAME = "heal"
@@ -29,6 +29,7 @@ DEFAULTS = {
     "calibration_samples": 32,
     "calibration_length": 256,
     "heal": {"steps": 100, "samples": 64, "length": 256, "batch_size": 4, "eval_every": 25},  # lr: the library default
+    "bigbench_examples": 0,  # BIG-bench goal_step_wikihow accuracy before and after healing (0: not scored)
     "threads": 2,
 }
 ROWS = {
@@ -69,6 +70,8 @@ def _one(job: dict, q) -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         row["ppl"] = ppl_both(model, tok, job["eval_tokens"])
         row["linear_bytes"] = 1.0
+        if job["bigbench_examples"]:
+            row.update(wikihow(model, tok, job["bigbench_examples"]))
     else:
         cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", calibration_samples=job["calibration_samples"],
                                       calibration_length=job["calibration_length"], **ROWS[job["row"]])
@@ -76,6 +79,8 @@ def _one(job: dict, q) -> None:
         stored, dense = _linear_bytes(model)
         row["linear_bytes"] = stored / dense
         row["ppl_before"] = ppl_both(model, tok, job["eval_tokens"])
+        if job["bigbench_examples"]:
+            row["before"] = wikihow(model, tok, job["bigbench_examples"])
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
         row["heal"] = hf_tensorcomp.heal(model, calibration="wikipedia", progress=False,
@@ -83,6 +88,9 @@ def _one(job: dict, q) -> None:
         row["heal_s"] = round(time.perf_counter() - t0, 1)
         row["heal_peak_rss_mb"] = round(max(rss0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
         row["ppl"] = ppl_both(model, tok, job["eval_tokens"])
+        if job["bigbench_examples"]:
+            row.update(wikihow(model, tok, job["bigbench_examples"]))
+    row["threads"] = job["threads"]
     row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     q.put(row)
 
@@ -100,6 +108,10 @@ def report(rows: list[dict]) -> str:
                 continue
             t = {"row": r["row"], "linear_bytes": r["linear_bytes"], "heal_s": r["heal_s"],
                  "rss": r["heal_peak_rss_mb"], "kl": f"{r['heal']['held_out_kl_before']:.4f} → {r['heal']['held_out_kl_after']:.4f}"}
+            if "wikihow" in r and "wikihow" in dense:
+                t["acc"] = (f"{dense['wikihow']:.3f} / {r['before']['wikihow']:.3f} → {r['wikihow']:.3f} "
+                            f"± {r['wikihow_se']:.3f} (n={r['wikihow_n']})")
+            t["threads"] = r.get("threads", "-")
             for c in ("wikipedia", "owt"):
                 t[f"before_{c}"] = r["ppl_before"][c] / dense["ppl"][c]
                 t[f"after_{c}"] = r["ppl"][c] / dense["ppl"][c]
@@ -110,7 +122,8 @@ def report(rows: list[dict]) -> str:
             ("row", "row", "{}"), ("linear_bytes", "linear bytes vs bf16", "{:.3f}"),
             ("before_wikipedia", "Wikipedia before", "{:.3f}x"), ("after_wikipedia", "Wikipedia healed", "{:.3f}x"),
             ("before_owt", "OpenWebText before", "{:.3f}x"), ("after_owt", "OpenWebText healed", "{:.3f}x"),
-            ("kl", "held-out KL", "{}"), ("heal_s", "healing s", "{:.0f}"), ("rss", "peak RSS MB", "{:,}")]))
+            ("kl", "held-out KL", "{}"), ("acc", "wikihow acc: dense / before → healed", "{}"),
+            ("heal_s", "healing s", "{:.0f}"), ("threads", "threads", "{}"), ("rss", "peak RSS MB", "{:,}")]))
         out.append("")
     return "\n".join(out)
 

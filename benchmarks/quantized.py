@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model,  # noqa: E402
-                    ppl_both, ratio_plot, run_rows)
+                    ppl_both, ratio_plot, run_rows, wikihow)
 
 NAME = "quantized"
 DEFAULTS = {
@@ -300,7 +300,7 @@ def _one(job: dict, q) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_tensorcomp import TensorCompressionConfig, assets
+    from hf_tensorcomp import TensorCompressionConfig
 
     path, tok, row = child_setup(job)
     t0 = time.perf_counter()
@@ -346,13 +346,7 @@ def _one(job: dict, q) -> None:
         with torch.inference_mode(False), torch.no_grad():
             row["tok_s"] = decode_tokens_per_s(model, tok)
     if job["bigbench_examples"] and job["row"] in job["bigbench_rows"]:
-        from hf_tensorcomp.eval.multiple_choice import multiple_choice_accuracy
-
-        ex = assets.load_bigbench_task("goal_step_wikihow")
-        with torch.inference_mode(False), torch.no_grad():
-            r = multiple_choice_accuracy(model, tok, ex, max_examples=job["bigbench_examples"], progress=False)
-        acc, n = r["accuracy"], r["n"]
-        row["wikihow"], row["wikihow_se"], row["wikihow_n"] = acc, (acc * (1 - acc) / n) ** 0.5, n
+        row.update(wikihow(model, tok, job["bigbench_examples"]))
     row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     q.put(row)
 
