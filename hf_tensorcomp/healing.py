@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 import warnings
 
 import torch
@@ -393,52 +394,54 @@ def _source(model):
     return st.get("source") or getattr(model, "name_or_path", None) or None
 
 
-@torch.enable_grad()
-def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict, progress: bool) -> dict:
-    """Each decoder layer in turn trained so that its output matches the dense layer's: inputs are the
-    compressed model's own hidden states (propagated: each layer also corrects the error of the ones
-    before it), targets the dense model's outputs of the same layer on the dense stream. MSE, Adam at
-    ``lr``, ``layer_steps`` steps a layer over the calibration batches; the last batch is held out
-    (when there are several) and each layer keeps its best iterate by it, the start included."""
-    from .calibration import LayerwiseRunner
-    from .layout import find_decoder_layers
+class LayerHealer:
+    """Layer-wise healing, one decoder layer at a time: `targets` runs the dense layer ``li`` over the
+    dense stream (its outputs: the layer's targets and the dense stream's next states), `heal` trains
+    the compressed layer ``li`` so that its outputs on the compressed stream (each layer also corrects
+    the errors of the ones before it) match them, then moves the compressed stream on. MSE, Adam at
+    ``lr``, ``layer_steps`` steps a layer over the batches; the last batch is held out (when there are
+    several) and the layer keeps its best iterate by it, the start included. Used by `heal_layerwise`
+    (a whole compressed model and its dense teacher) and by streaming compression (each layer healed
+    while it is in memory, its dense weights read before it is compressed)."""
 
-    prefix, layers = find_decoder_layers(model)
-    dprefix, dense_layers = find_decoder_layers(dense)
-    comp = LayerwiseRunner(model, prefix, layers, ids, o["batch_size"])
-    ref = LayerwiseRunner(dense, dprefix, dense_layers, ids, o["batch_size"])
-    hc, hd = list(comp.hidden), list(ref.hidden)
-    held = [len(hc) - 1] if len(hc) > 1 else [0]
-    train = [i for i in range(len(hc)) if i not in held] or held
-    flags = {p: p.requires_grad for p in model.parameters()}
-    out = []
-    try:
-        for li in tqdm(range(len(layers)), desc="hf_tensorcomp: layer-wise healing", disable=not progress, unit="layer"):
-            layer = layers[li]
-            with torch.no_grad():
-                target = ref._forward(li, hd)
-            own = [p for p in layer.parameters() if id(p) in trainable_ids]
-            if own:
-                for p in model.parameters():
+    def __init__(self, comp_hidden, dense_hidden, kwargs: list[list[dict]], o: dict, forward):
+        self.hc, self.hd, self.kwargs, self.o, self._forward = comp_hidden, dense_hidden, kwargs, o, forward
+        self.held = [len(comp_hidden) - 1] if len(comp_hidden) > 1 else [0]
+        self.train = [i for i in range(len(comp_hidden)) if i not in self.held] or self.held
+        self.target = None
+        self.layers: list[dict] = []
+
+    def targets(self, li: int) -> None:
+        """The dense layer ``li``'s outputs on the dense stream (call while layer ``li`` is still dense)."""
+        self.target = self._forward(li, self.hd, dense=True)
+
+    @torch.enable_grad()
+    def heal(self, li: int, layer: nn.Module, own: list) -> None:
+        """Train `own` (parameters of the compressed `layer`) toward the targets, then move both streams on."""
+        o, hc, target = self.o, self.hc, self.target
+        if own:
+            flags = {p: p.requires_grad for p in layer.parameters()}
+            try:
+                for p in layer.parameters():
                     p.requires_grad_(False)
                 for p in own:
                     p.requires_grad_(True)
 
                 def loss_on(i, precision="float32"):
                     with _autocast(hc[i].device, precision):
-                        y = layer(hc[i], **comp.kwargs[i][li])
+                        y = layer(hc[i], **self.kwargs[i][li])
                     return F.mse_loss(_first(y).float(), target[i].float())
 
                 def score():
                     with torch.no_grad():
-                        return sum(float(loss_on(i)) for i in held) / len(held)
+                        return sum(float(loss_on(i)) for i in self.held) / len(self.held)
 
                 best_loss, best = score(), [p.detach().clone() for p in own]
                 first = best_loss
                 rel = RelativeSteps(own) if o["relative"] else None
                 opt = torch.optim.Adam(rel.delta if rel else own, lr=o["lr"])
                 for step in range(o["layer_steps"]):
-                    loss = loss_on(train[step % len(train)], o["precision"])
+                    loss = loss_on(self.train[step % len(self.train)], o["precision"])
                     adam_step(opt, loss, rel)
                     if (step + 1) % max(1, o["layer_steps"] // 4) == 0 or step + 1 == o["layer_steps"]:
                         now = score()
@@ -447,13 +450,109 @@ def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict,
                 with torch.no_grad():
                     for p, b in zip(own, best):
                         p.copy_(b)
-                out.append({"layer": li, "mse_before": round(first, 8), "mse_after": round(best_loss, 8)})
-            hc = comp._forward(li, hc)
-            hd = target
-    finally:
-        for p, flag in flags.items():
-            p.requires_grad_(flag)
-    return {"layers": out}
+            finally:
+                for p, flag in flags.items():
+                    p.requires_grad_(flag)
+            self.layers.append({"layer": li, "mse_before": round(first, 8), "mse_after": round(best_loss, 8)})
+        new = self._forward(li, hc, dense=False)
+        from .calibration.pipeline import _drop  # states on disk (streaming's states_dir): the stale ones removed
+
+        _drop(hc, new, target)
+        _drop(self.hd, new, target)
+        self.hc, self.hd, self.target = new, target, None
+
+
+def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict, progress: bool) -> dict:
+    """`LayerHealer` over every decoder layer of the compressed `model`, the `dense` model giving the
+    targets: inputs are the compressed model's own hidden states (propagated), targets the dense
+    model's outputs of the same layer on the dense stream."""
+    from .calibration import LayerwiseRunner
+    from .layout import find_decoder_layers
+
+    prefix, layers = find_decoder_layers(model)
+    dprefix, dense_layers = find_decoder_layers(dense)
+    comp = LayerwiseRunner(model, prefix, layers, ids, o["batch_size"])
+    ref = LayerwiseRunner(dense, dprefix, dense_layers, ids, o["batch_size"])
+    healer = LayerHealer(list(comp.hidden), list(ref.hidden), comp.kwargs, o,
+                         lambda li, h, dense: (ref if dense else comp)._forward(li, h))
+    for li in tqdm(range(len(layers)), desc="hf_tensorcomp: layer-wise healing", disable=not progress, unit="layer"):
+        with torch.no_grad():
+            healer.targets(li)
+        healer.heal(li, layers[li], [p for p in layers[li].parameters() if id(p) in trainable_ids])
+    return {"layers": healer.layers}
+
+
+class StreamHealer:
+    """``heal={"mode": "layerwise"}`` while streaming (`hf_tensorcomp.compress_checkpoint`): each decoder
+    layer is healed while it is in memory — `before` (the layer still dense) runs it over the dense
+    stream for its targets, `after` (the layer compressed, the calibration stream moved on) trains it and
+    moves the compressed stream on — the same steps, in the same order, as `heal_layerwise` after
+    in-memory compression, on the same windows (`heal_windows`). What needs the whole model (the
+    held-out KL of the logits before and after, and putting everything back when it did not improve) is
+    not done: each layer keeps its best iterate by its own held-out batch, the start included."""
+
+    def __init__(self, model, config, states_dir=None):
+        from .calibration import LayerwiseRunner
+        from .layout import find_decoder_layers
+
+        self.t0 = time.perf_counter()
+        o = dict(config.heal)
+        device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        o["precision"] = resolve_precision(o["precision"], device)
+        self.o = o
+        from .calibration.data import validate_calibration
+
+        _, train_ids = heal_windows(model, validate_calibration(config.calibration), config.calibration_tokenizer, o)
+        prefix, self.layer_list = find_decoder_layers(model)
+        self.runner = LayerwiseRunner(model, prefix, self.layer_list, train_ids, o["batch_size"],
+                                      states_dir=None if states_dir is None else Path(states_dir) / "heal")
+        self.healer = LayerHealer(self.runner.hidden, self.runner.hidden, self.runner.kwargs, o,
+                                  lambda li, h, dense: self.runner._forward(li, h))
+        self.windows, self.tokens = int(train_ids.shape[0]), int(train_ids.shape[1])
+        self.params = 0
+
+    def before(self, li: int) -> None:
+        with torch.no_grad():
+            self.healer.targets(li)
+
+    def after(self, li: int) -> None:
+        from .layers import FactorizedModule
+
+        layer = self.layer_list[li]
+        ids = {id(p) for p in trainable(layer, self.o["train"])}
+        own = [p for p in layer.parameters() if id(p) in ids]
+        self.params += sum(p.numel() for p in own)
+        try:
+            self.healer.heal(li, layer, own)
+        finally:  # trained scales back into their stored float16 buffers before the layer is written
+            for m in layer.modules():
+                if isinstance(m, FactorizedModule):
+                    m.train_scales(False)
+
+    def report(self) -> dict:
+        from .calibration.pipeline import _drop
+
+        _drop(self.healer.hc)
+        _drop(self.healer.hd)
+        o = self.o
+        layers = self.healer.layers
+        return {"mode": "layerwise", "streamed": True, "layer_steps": o["layer_steps"], "train": o["train"],
+                "params_trained": self.params, "lr": o["lr"], "relative": o["relative"], "precision": o["precision"],
+                "tokens": len(layers) * o["layer_steps"] * o["batch_size"] * self.tokens, "windows": self.windows,
+                "length": self.tokens,
+                "layerwise": {"layers": layers}, "seconds": round(time.perf_counter() - self.t0, 1)}
+
+
+def heal_windows(model, calibration, tokenizer, o: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(held-out windows, training windows) of the calibration text for healing settings `o`."""
+    from .calibration.data import calibration_ids, calibration_tokenizer
+
+    tok = calibration_tokenizer(model, calibration, tokenizer)
+    ids = calibration_ids(calibration, tok, o["samples"], o["length"], o["seed"])
+    n_held = max(1, round(o["held_out"] * ids.shape[0]))
+    if ids.shape[0] - n_held < 1:
+        raise ValueError(f"heal: calibration gives {ids.shape[0]} windows; allowed: at least 2 (one is held out)")
+    return ids[:n_held], ids[n_held:]
 
 
 def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None, *, tokenizer=None,
@@ -486,7 +585,7 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
 
 
 def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, **settings) -> dict:
-    from .calibration.data import calibration_ids, calibration_tokenizer, validate_calibration
+    from .calibration.data import validate_calibration
 
     o = validate_heal({**settings, **({"steps": steps} if steps is not None else {})})
     calibration = validate_calibration(calibration)
@@ -494,12 +593,7 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
     params = trainable(model, o["train"])
     if not params:
         raise ValueError(f"heal: train={o['train']!r} finds nothing to train in this model; allowed: 'auto' | 'norms' | 'scales' | 'all'")
-    tok = calibration_tokenizer(model, calibration, tokenizer)
-    ids = calibration_ids(calibration, tok, o["samples"], o["length"], o["seed"])
-    n_held = max(1, round(o["held_out"] * ids.shape[0]))
-    if ids.shape[0] - n_held < 1:
-        raise ValueError(f"heal: calibration gives {ids.shape[0]} windows; allowed: at least 2 (one is held out)")
-    held, train_ids = ids[:n_held], ids[n_held:]
+    held, train_ids = heal_windows(model, calibration, tokenizer, o)
     dense = _teacher(model, teacher)
     start = [p.detach().clone() for p in params]
     model.eval()
@@ -510,7 +604,7 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
     torch.manual_seed(o["seed"])
     if o["mode"] in ("layerwise", "both"):
         report["layerwise"] = heal_layerwise(model, dense, train_ids, {id(p) for p in params}, o, progress)
-        report["tokens"] += len(report["layerwise"]["layers"]) * o["layer_steps"] * o["batch_size"] * int(ids.shape[1])
+        report["tokens"] += len(report["layerwise"]["layers"]) * o["layer_steps"] * o["batch_size"] * int(train_ids.shape[1])
     if o["mode"] in ("e2e", "both"):
         checkpointing = o["gradient_checkpointing"] and hasattr(model, "gradient_checkpointing_enable")
         if checkpointing:
@@ -524,7 +618,7 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
                 model.gradient_checkpointing_disable()
         report.update(loss_first=round(run["losses"][0], 6), loss_last=round(run["losses"][-1], 6),
                       best_step=run["best_step"])
-        report["tokens"] += o["steps"] * o["batch_size"] * int(ids.shape[1])
+        report["tokens"] += o["steps"] * o["batch_size"] * int(train_ids.shape[1])
     kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"])
     report["improved"] = kl1 < kl0
     if not report["improved"]:  # no harm: the model exactly as it came

@@ -85,7 +85,12 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
     try:
         runner = calibrate(model, config, work, methods, stream)  # 2. calibrate
         allocation = allocate(config, work, methods, layer_list, runner, stream, model)  # 3. allocate
-        module_stats, final = compress_units(model, config, work, methods, runner, allocation, stream)  # 4. compress + check
+        healer = None
+        if stream is not None and config.heal:  # 6. while streaming: each layer healed while it is in memory
+            from .healing import StreamHealer
+
+            healer = StreamHealer(model, config, getattr(stream, "states_dir", None))
+        module_stats, final = compress_units(model, config, work, methods, runner, allocation, stream, healer)  # 4.
         finished = {}
         ctx = model_context(model)
         for k, entry in enumerate(config.entries):  # a method's whole-model step after its units (e.g. recovery)
@@ -104,7 +109,9 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
         model.train(was_training)
     record(model, config, (params_before, bytes_before), time.perf_counter() - t0, module_stats, finished, runner,
            allocation)  # 5.
-    if config.heal:  # 6. heal: distil toward the dense model this one was made from
+    if healer is not None:
+        config.stats = {**config.stats, "heal": healer.report()}
+    elif config.heal:  # 6. heal: distil toward the dense model this one was made from
         from .healing import heal
 
         settings = {k: v for k, v in config.heal.items()}
@@ -153,12 +160,14 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
 
 
 def compress_units(model: nn.Module, config: TensorCompressionConfig, work, methods, runner, allocation,
-                   stream=None) -> tuple[dict, object]:
+                   stream=None, healer=None) -> tuple[dict, object]:
     """Stage 4: every unit compressed, checked and put in place; layer by layer with calibration.
 
     A unit is compressed once its last layer's statistics are in; with ``config.propagate`` the
-    next layer sees the compressed layer's outputs. Returns ({full module name: its stats}, the last
-    decoder layer's outputs when streaming with ``embedding_bits`` — what `final_gram` reads — else None).
+    next layer sees the compressed layer's outputs. `healer` (`hf_tensorcomp.healing.StreamHealer`,
+    streaming only): every layer, compressed or not, is healed once its units are compressed and the
+    calibration stream has moved on. Returns ({full module name: its stats}, the last decoder layer's
+    outputs when streaming with ``embedding_bits`` — what `final_gram` reads — else None).
     """
     prefix, layer_list = find_decoder_layers(model)
     ctx = model_context(model)
@@ -185,6 +194,19 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
             set_module(layer_list, name, new)
             module_stats[f"{prefix}.{name}"] = {"method": entry.method, **st}
 
+    by_last: dict[int, list] = {}
+    for k, names in work:
+        by_last.setdefault(max(_layer_of(n) for n in names), []).append((k, names))
+    if runner is None and healer is not None:  # streaming: every layer loaded, its units compressed, healed
+        for li in tqdm(range(len(layer_list)), desc="hf_tensorcomp: compressing and healing", disable=not config.progress,
+                       unit="layer"):
+            stream.upto(li)
+            healer.before(li)
+            for k, names in by_last.get(li, []):
+                compress_unit(k, names, None)
+            healer.after(li)
+        stream.upto(len(layer_list) - 1, release_last=True)
+        return module_stats, None
     if runner is None:
         for k, names in tqdm(work, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="unit"):
             if stream is not None:
@@ -193,21 +215,21 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
         if stream is not None:
             stream.upto(len(layer_list) - 1, release_last=True)
         return module_stats, None
-    by_last: dict[int, list] = {}
-    for k, names in work:
-        by_last.setdefault(max(_layer_of(n) for n in names), []).append((k, names))
     wanted = _by_layer({n: needs[k] for k, names in work if needs[k] for n in names})
     pending: dict = {}
 
     def on_layer(li, stats):
+        if healer is not None:
+            healer.before(li)
         pending.update(stats)
         for k, names in by_last.get(li, []):
             compress_unit(k, names, {n: pending.pop(n) for n in names if n in pending} if needs[k] else None)
         return li in by_last
 
     keep = stream is not None and bool(config.embedding_bits)  # the final states: the streamed table's GPTQ reads them
-    final = runner.run(wanted, on_layer, last=len(layer_list) - 1 if keep else max(by_last), propagate=config.propagate,
-                       progress=config.progress, stream=stream, keep_last=keep)
+    final = runner.run(wanted, on_layer, last=len(layer_list) - 1 if keep or healer else max(by_last),
+                       propagate=config.propagate, progress=config.progress, stream=stream, keep_last=keep,
+                       after=healer.after if healer is not None else None)
     if stream is not None:
         stream.upto(len(layer_list) - 1, release_last=True)
     return module_stats, final

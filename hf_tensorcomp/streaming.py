@@ -10,9 +10,13 @@ shard and put back on the meta device. Only the calibration hidden states span l
 with an index that ``from_pretrained`` reloads like any compressed one, written into a temporary
 sibling folder and moved into place at the end (a killed run leaves no readable output).
 
+Healing (``heal={"mode": "layerwise"}``) is done while streaming: each decoder layer is trained toward
+its dense outputs while it is in memory (`hf_tensorcomp.healing.StreamHealer`), as in-memory compression
+followed by layer-wise healing does it.
+
 What streaming cannot do, refused up front: steps that need the whole dense model at once (Fisher
-weighting, a Fisher-weighted or data-free global allocation, weight gradients, healing) and methods
-whose units span several layers (TRAWL's whole-model / segmented formulations).
+weighting, a Fisher-weighted or data-free global allocation, weight gradients, end-to-end healing) and
+methods whose units span several layers (TRAWL's whole-model / segmented formulations).
 """
 
 from __future__ import annotations
@@ -436,9 +440,13 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"compress_checkpoint.device: got {device!r}; allowed: 'cpu', or 'cuda' | 'cuda:N' where "
                          f"torch sees a CUDA device (here: {torch.cuda.device_count()})")
-    if cfg.heal:
-        fail("heal", cfg.heal, "False with compress_checkpoint (end-to-end healing needs the whole model; heal the "
-             "compressed checkpoint afterwards with hf_tensorcomp.heal)")
+    if cfg.heal and cfg.heal["mode"] != "layerwise":
+        fail("heal.mode", cfg.heal["mode"], "'layerwise' with compress_checkpoint (each layer healed while it is in "
+             "memory; end-to-end healing needs the whole model: heal the compressed checkpoint afterwards with "
+             "hf_tensorcomp.heal, or compress in memory)")
+    if cfg.heal and cfg.embedding_bits:
+        fail("embedding_bits", cfg.embedding_bits, "None with compress_checkpoint and heal= (streaming quantizes the "
+             "table after the layers, which layer-wise healing would have to see first)")
     if cfg.embedding_bits == "auto":
         fail("embedding_bits", "auto", "8 | 4 | None with compress_checkpoint ('auto' weighs the table by the dense "
              "model's head error, a pass over the whole model)")
@@ -545,7 +553,8 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
 def _memory_bound(reader: ShardReader, prefix: str, n_layers: int, model, cfg: TensorCompressionConfig,
                   largest_written: int, on_disk: bool = False) -> dict[str, int]:
     """The streaming run's memory bound, in bytes: 1.5 x (the largest decoder layer in float32 + the largest
-    compressed layer held before writing + the calibration hidden states + that layer's statistics).
+    compressed layer held before writing + the calibration hidden states + that layer's statistics
+    [+ layer-wise healing's states and training]).
 
     The states are counted four times (the runner's layer-0 inputs, the current layer's inputs and
     outputs, the dense stream that propagation pairs with them); the statistics as one float64 input
@@ -573,6 +582,13 @@ def _memory_bound(reader: ShardReader, prefix: str, n_layers: int, model, cfg: T
     states = 4 * tokens * hidden * 4 if calibrated else 0
     parts = {"layer_fp32": layer_bytes, "compressed_layer": largest_written, "calibration_states": states,
              "layer_statistics": stats_bytes}
+    heal = cfg.stats.get("heal")
+    if heal:  # layer-wise healing: its two streams (as the calibration's), the trained layer's parameters, gradients,
+        # Adam's two moments and best copy, and one batch's activations through the layer, forward and backward
+        windows = min(heal["windows"], cfg.heal["batch_size"]) if on_disk else heal["windows"]
+        inner = max(hidden, getattr(model.config.get_text_config(), "intermediate_size", 0) or 0)
+        parts["heal"] = (4 * windows * heal["length"] * hidden * 4 + 5 * largest_written
+                         + 16 * cfg.heal["batch_size"] * heal["length"] * inner * 4)
     if cfg.embedding_bits:  # a block of the table's rows: read, GPTQ's float64 copies, codes, de-quantized check
         parts["table_block"] = 4 * TABLE_BLOCK_BYTES
     parts["bound"] = int(1.5 * sum(parts.values()))

@@ -72,6 +72,45 @@ def test_streaming_quantizes_the_embedding_table_as_in_memory(sharded, tmp_path,
         assert torch.equal(memory(ids).logits, streamed(ids).logits)
 
 
+HEAL = {"mode": "layerwise", "layer_steps": 8, "samples": 8, "batch_size": 2}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("kw, heal", [
+    (dict(method="laser", rank=1, calibration=CAL), {"lr": 1e-2}),  # no statistics: no calibration runner
+    (dict(method="qlr", bits=2, rank=2, group_size=16, calibration=CAL), {"lr": 3e-3, "train": "all"}),  # scales too
+])
+def test_streaming_heals_each_layer_as_layerwise_healing_after_in_memory_compression(sharded, tmp_path, arch, kw, heal,
+                                                                                     ids):
+    """``heal={"mode": "layerwise"}`` while streaming: each layer trained toward its dense outputs while it is in
+    memory gives the checkpoint that in-memory compression followed by layer-wise healing gives, bit for bit
+    (same windows, same order: the calibration stream never sees a healed layer, the healing stream does)."""
+    heal = {**HEAL, **heal}
+    plain = AutoModelForCausalLM.from_pretrained(sharded[arch], quantization_config=TensorCompressionConfig(progress=False, **kw))
+    memory = AutoModelForCausalLM.from_pretrained(sharded[arch], quantization_config=TensorCompressionConfig(
+        progress=False, heal=heal, **kw))
+    mem_report = memory.config.quantization_config.stats["heal"]
+    assert mem_report["improved"]  # else in-memory healing puts the model back and there is nothing to compare
+    report = hf_tensorcomp.compress_checkpoint(sharded[arch], tmp_path / "out", TensorCompressionConfig(progress=False,
+                                                                                                      heal=heal, **kw))
+    streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    a, b, c = memory.state_dict(), streamed.state_dict(), plain.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)  # healing changed the model
+    got = report["stats"]["heal"]
+    assert got["streamed"] and got["layerwise"] == mem_report["layerwise"] and got["tokens"] == mem_report["tokens"]
+    assert all(r["mse_after"] <= r["mse_before"] for r in got["layerwise"]["layers"])
+    assert streamed.config.quantization_config.stats["heal"]["streamed"]
+    if "bits" in kw:  # the healing stream's states on disk too: the same checkpoint, and no file left behind
+        (tmp_path / "states").mkdir()
+        hf_tensorcomp.compress_checkpoint(sharded[arch], tmp_path / "disk", TensorCompressionConfig(progress=False, heal=heal,
+                                                                                                   **kw), states_dir=tmp_path / "states")
+        d = AutoModelForCausalLM.from_pretrained(tmp_path / "disk").state_dict()
+        assert all(torch.equal(d[k], b[k]) for k in b) and not list((tmp_path / "states").iterdir())
+    with torch.no_grad():  # equal weights; a reloaded tensor's (unaligned) address can move a product by an ulp
+        torch.testing.assert_close(memory(ids).logits, streamed(ids).logits, rtol=0, atol=1e-6)
+
+
 def test_streaming_refuses_table_settings_it_cannot_honour(sharded, tmp_path):
     for kw, field in [(dict(method="qlr", target_bytes=0.5, group_size=16, calibration=CAL, allocation="relative",
                             embedding_bits="auto"), "embedding_bits"),
@@ -107,7 +146,10 @@ def test_a_failed_run_leaves_no_output_and_overwrite_is_explicit(sharded, tmp_pa
 @pytest.mark.parametrize("kw, match", [
     (dict(method="laser", target=0.7, whiten=True, weighting="fisher", calibration=CAL), "backward pass of the whole"),
     (dict(method="trawl", rank=4, formulation="whole_model"), "spans several decoder layers"),
-    (dict(method="laser", rank=4, calibration=CAL, heal=True), "heal: got"),
+    (dict(method="laser", rank=4, calibration=CAL, heal=True), r"heal\.mode: got 'e2e'; allowed: 'layerwise'"),
+    (dict(method="laser", rank=4, calibration=CAL, heal={"mode": "both"}), r"heal\.mode: got 'both'"),
+    (dict(method="laser", rank=4, calibration=CAL, heal={"mode": "layerwise"}, embedding_bits=8),
+     r"embedding_bits: got 8; allowed: None with compress_checkpoint and heal="),
 ])
 def test_what_needs_the_whole_model_is_refused_up_front(sharded, tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -167,7 +209,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_tensorcomp
 from hf_tensorcomp import TensorCompressionConfig
 
-src, warm, out = sys.argv[1:4]
+src, warm, out, variant = sys.argv[1:5]
 def make(path, layers, vocab, hidden, inter):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -176,7 +218,9 @@ def make(path, layers, vocab, hidden, inter):
 make(src, 12, 64000, 768, 1536)
 make(warm, 2, 1000, 64, 128)
 ids = torch.randint(0, 1000, (8, 64), generator=torch.Generator().manual_seed(0))
-cfg = lambda: TensorCompressionConfig(method="laser", rank=64, whiten=True, calibration=ids, embedding_bits=8, progress=False)
+extra = (dict(embedding_bits=8) if variant == "table" else
+         dict(heal={"mode": "layerwise", "samples": 8, "layer_steps": 2, "batch_size": 2}))
+cfg = lambda: TensorCompressionConfig(method="laser", rank=64, whiten=True, calibration=ids, progress=False, **extra)
 hf_tensorcomp.compress_checkpoint(warm, out + "-warm", cfg())  # imports and first-call allocations out of the way
 report = hf_tensorcomp.compress_checkpoint(src, out, cfg())
 report.pop("stats")
@@ -184,18 +228,20 @@ print(json.dumps(report))
 """
 
 
-def test_streaming_peak_memory_stays_within_the_bound(tmp_path):
+@pytest.mark.parametrize("variant", ["table", "heal"])
+def test_streaming_peak_memory_stays_within_the_bound(tmp_path, variant):
     """Measured in a fresh process on a model with enlarged layers and a large untied vocabulary (12 layers of
-    24 MB and two 197 MB embedding matrices in float32, 676 MB in all), both tables quantized to 8 bits: the
-    peak resident memory above the start stays within 1.5 x (one layer + its compressed form + the
-    calibration states + its statistics + a block of table rows), itself well below the model. Holding
-    every layer, or reading or quantizing a table whole, breaks it."""
+    24 MB and two 197 MB embedding matrices in float32, 676 MB in all), both tables quantized to 8 bits
+    ("table") or every layer healed layer-wise while it is in memory ("heal"): the peak resident memory
+    above the start stays within 1.5 x (one layer + its compressed form + the calibration states + its
+    statistics + a block of table rows | healing's states and training), itself well below the model.
+    Holding every layer, or reading or quantizing a table whole, breaks it."""
     import json
     import subprocess
     import sys
 
     run = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(tmp_path / "src"), str(tmp_path / "warm"),
-                          str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+                          str(tmp_path / "out"), variant], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     model_mb = sum(f.stat().st_size for f in (tmp_path / "src").glob("*.safetensors")) / 2**20

@@ -174,12 +174,14 @@ class LayerwiseRunner:
         desc: str = "hf_tensorcomp: calibrated compression",
         stream=None,
         keep_last: bool = False,
+        after: Callable[[int], None] | None = None,
     ):
         """Layers 0..last in order: gather `wanted[li]` ({module name under the layer list: kinds}),
         call ``on_layer(li, stats)`` (True if it changed the layer), move the hidden states on.
         `stream`: ``stream.upto(li)`` before layer ``li`` runs (loads it, releases those before it).
         `keep_last`: return layer `last`'s outputs (recomputed once it changed, with `propagate`; the caller
-        drops them with `drop_states`), else None."""
+        drops them with `drop_states`), else None. `after(li)`: called once layer ``li``'s outputs are the
+        next layer's inputs (before the stream moves past it)."""
         hidden = self.hidden
         # a second, dense stream only when some module asks for "cross" and the streams can differ
         paired = propagate and any("cross" in k for w in wanted.values() for k in w.values())
@@ -217,6 +219,8 @@ class LayerwiseRunner:
             if paired:
                 _drop(dense, self.hidden, hidden)
                 dense = dense_out
+            if after is not None:
+                after(li)
         _drop(dense, self.hidden, hidden)
         if keep_last:
             return hidden
