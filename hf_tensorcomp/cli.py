@@ -162,7 +162,12 @@ def cmd_compress(args) -> int:
 
         report = compress_checkpoint(src, out, cfg, dtype=dtype, overwrite=args.overwrite, states_dir=args.states_dir,
                                      device=args.device)
-        print(json.dumps({k: v for k, v in report.items() if k != "stats"}, indent=2))
+        shown = {k: v for k, v in report.items() if k != "stats"}
+        if "heal" in report["stats"]:  # layer-wise, while streaming: each layer's MSE to its dense outputs
+            h = report["stats"]["heal"]
+            shown["heal"] = {"mode": h["mode"], "seconds": h["seconds"], "layers": [
+                (r["layer"], r["mse_before"], r["mse_after"]) for r in h["layerwise"]["layers"]]}
+        print(json.dumps(shown, indent=2))
         return 0
     try:
         tok = transformers.AutoTokenizer.from_pretrained(src)

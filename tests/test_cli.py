@@ -182,3 +182,23 @@ def test_heal_flag_heals_after_compressing_and_bad_settings_name_the_field(tiny_
     assert main(["compress", str(tiny_with_tokenizer), "--rank", "2", "--calibration", "wikipedia", "--heal",
                  '{"precision": "fp8"}', "--out", str(bad), "--no-eval", "--quiet"]) == 2
     assert "heal.precision" in capsys.readouterr().err and not bad.exists()
+
+
+def test_stream_flag_heals_layer_by_layer_and_prints_each_layers_error(tiny_with_tokenizer, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    assert main(["compress", str(tiny_with_tokenizer), "--rank", "2", "--targets", "mlp.*", "--calibration", "wikipedia",
+                 "--calibration-samples", "8", "--calibration-length", "32", "--stream", "--heal",
+                 '{"mode": "layerwise", "layer_steps": 4, "samples": 8, "length": 32, "batch_size": 2}',
+                 "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    shown = json.loads(printed[printed.index("{"):])
+    m = AutoModelForCausalLM.from_pretrained(out)
+    heal = m.config.quantization_config.stats["heal"]
+    assert heal["streamed"] and len(heal["layerwise"]["layers"]) == m.config.num_hidden_layers
+    assert all(r["mse_after"] <= r["mse_before"] for r in heal["layerwise"]["layers"])
+    assert shown["heal"]["layers"] == [[r["layer"], r["mse_before"], r["mse_after"]] for r in heal["layerwise"]["layers"]]
+    assert main(["compress", str(tiny_with_tokenizer), "--rank", "2", "--calibration", "wikipedia", "--stream", "--heal",
+                 "{}", "--out", str(tmp_path / "bad"), "--quiet"]) == 2
+    assert "heal.mode: got 'e2e'" in capsys.readouterr().err and not (tmp_path / "bad").exists()
