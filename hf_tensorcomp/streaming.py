@@ -535,6 +535,9 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
             model.config.quantization_config = cfg
             model.config.dtype = dtype
             model.config.save_pretrained(tmp)
+            from .integration.hub import write_model_card
+
+            write_model_card(model, tmp)  # how it was compressed (and healed), as in-memory saving writes it
             for name in _COPIED:
                 if (src / name).exists():
                     shutil.copy2(src / name, tmp / name)

@@ -101,6 +101,7 @@ def test_streaming_heals_each_layer_as_layerwise_healing_after_in_memory_compres
     assert got["streamed"] and got["layerwise"] == mem_report["layerwise"] and got["tokens"] == mem_report["tokens"]
     assert all(r["mse_after"] <= r["mse_before"] for r in got["layerwise"]["layers"])
     assert streamed.config.quantization_config.stats["heal"]["streamed"]
+    assert "healed: layer by layer while streaming" in (tmp_path / "out" / "README.md").read_text()  # the card
     if "bits" in kw:  # the healing stream's states on disk too: the same checkpoint, and no file left behind
         (tmp_path / "states").mkdir()
         hf_tensorcomp.compress_checkpoint(sharded[arch], tmp_path / "disk", TensorCompressionConfig(progress=False, heal=heal,

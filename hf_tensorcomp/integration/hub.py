@@ -119,7 +119,13 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
                   f"- compressed modules: {len(st.get('modules', {}))}",
                   f"- compression time: {st.get('compress_seconds')} s"]
         h = st.get("heal")
-        if h:
+        if h and h.get("streamed"):  # layer-wise while streaming: no whole-model held-out score
+            layers = h["layerwise"]["layers"]
+            mean = lambda key: sum(r[key] for r in layers) / max(len(layers), 1)  # noqa: E731
+            lines.append(f"- healed: layer by layer while streaming ({h['tokens']:,} tokens, training {h['train']}: "
+                         f"{h['params_trained']:,} parameters); each layer's output MSE to the dense layer's, mean over "
+                         f"{len(layers)} layers: {mean('mse_before'):.6g} → {mean('mse_after'):.6g}")
+        elif h:
             how = {"e2e": f"{h['steps']} end-to-end distillation steps", "layerwise": "layer by layer",
                    "both": f"layer by layer, then {h['steps']} end-to-end steps"}[h.get("mode", "e2e")]
             lines.append(f"- healed: {how} ({h['tokens']:,} tokens, training {h['train']}: "
