@@ -423,7 +423,9 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     worked on (shards are read and written on the host; the bound counts host memory).
     states_dir: None (the calibration hidden states in memory) or an existing folder: they are written
     to a temporary folder in it, one file per calibration batch, read back one batch at a time, and
-    removed at the end (memory then holds one batch of them).
+    removed at the end (memory then holds one batch of them; healing's states too).
+    ``cfg.heal={"mode": "layerwise", ...}``: each layer healed while it is in memory (`StreamHealer`).
+    The model card (README.md) is written beside the checkpoint.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
