@@ -100,7 +100,9 @@ def header(cfg: dict) -> str:
             "(Fisher allocation over 2, 3, 4 and 8 bits and ranks, round to nearest), `bytes0.27_b34`: the same over 3 "
             "and 4 bits; `bytes0.33`: `target_bytes=0.33` over 2, 3, 4 and 8 bits; `rtn4_r32_emb8`: `rtn4_r32` with the "
             "embedding and the tied head as 8-bit codes (the main job's shapes). 2-, 3- and 4-bit codes run PyTorch's CPU "
-            "int4 kernel, 8-bit codes two calls of it (one per nibble). Written by benchmarks/decode_speed.py.\n\n")
+            "int4 kernel, 8-bit codes two calls of it (one per nibble). Both published runs had the other core busy "
+            "with a one-thread benchmark; `bytes0.27_b34` and `bytes0.33` come from the second (their ratios are to the "
+            "first run's dense rows). Written by benchmarks/decode_speed.py.\n\n")
 
 
 if __name__ == "__main__":
