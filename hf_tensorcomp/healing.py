@@ -493,6 +493,7 @@ class StreamHealer:
 
     def __init__(self, model, config, states_dir=None):
         from .calibration import LayerwiseRunner
+        from .calibration.data import validate_calibration
         from .layout import find_decoder_layers
 
         self.t0 = time.perf_counter()
@@ -500,8 +501,6 @@ class StreamHealer:
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
         o["precision"] = resolve_precision(o["precision"], device)
         self.o = o
-        from .calibration.data import validate_calibration
-
         _, train_ids = heal_windows(model, validate_calibration(config.calibration), config.calibration_tokenizer, o)
         prefix, self.layer_list = find_decoder_layers(model)
         self.runner = LayerwiseRunner(model, prefix, self.layer_list, train_ids, o["batch_size"],
