@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 import warnings
@@ -24,6 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
+
+from .calibration import LayerwiseRunner
+from .calibration.data import calibration_ids, calibration_tokenizer, validate_calibration
+from .calibration.pipeline import _drop
+from .layers import FactorizedModule
+from .layout import find_decoder_layers
+from .validation import fail, is_int, is_number
 
 
 def lr_schedule(step: int, total: int, warmup: float = 0.05, floor: float = 0.0) -> float:
@@ -313,7 +321,6 @@ MODES = ("e2e", "layerwise", "both")
 
 def validate_heal(value):
     """The config's ``heal``: False / None (no healing), True (the defaults) or a dict of `HEAL_DEFAULTS` keys."""
-    from .validation import fail, is_int, is_number
 
     if value is None or value is False:
         return None
@@ -355,7 +362,6 @@ def trainable(model, train: str = "auto") -> list:
     ``"auto"``: both; ``"scales"``: the per-group scales of every quantized tensor (codes and zero
     points stay; turned into parameters here, `FactorizedModule.train_scales`, and folded back into
     their float16 buffers by `heal`); ``"all"``: factors, norms and scales."""
-    from .layers import FactorizedModule
 
     out = {}
     for m in model.modules():
@@ -375,7 +381,7 @@ def trainable(model, train: str = "auto") -> list:
 def _teacher(model, teacher):
     from transformers import AutoModelForCausalLM
 
-    if teacher is not None and not isinstance(teacher, str):
+    if teacher is not None and not isinstance(teacher, (str, os.PathLike)):
         return teacher.eval()
     src = teacher or _source(model)
     if src is None:
@@ -455,9 +461,7 @@ class LayerHealer:
                     p.requires_grad_(flag)
             self.layers.append({"layer": li, "mse_before": round(first, 8), "mse_after": round(best_loss, 8)})
         new = self._forward(li, hc, dense=False)
-        from .calibration.pipeline import _drop  # states on disk (streaming's states_dir): the stale ones removed
-
-        _drop(hc, new, target)
+        _drop(hc, new, target)  # states on disk (streaming's states_dir): the stale ones removed
         _drop(self.hd, new, target)
         self.hc, self.hd, self.target = new, target, None
 
@@ -466,8 +470,6 @@ def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict,
     """`LayerHealer` over every decoder layer of the compressed `model`, the `dense` model giving the
     targets: inputs are the compressed model's own hidden states (propagated), targets the dense
     model's outputs of the same layer on the dense stream."""
-    from .calibration import LayerwiseRunner
-    from .layout import find_decoder_layers
 
     prefix, layers = find_decoder_layers(model)
     dprefix, dense_layers = find_decoder_layers(dense)
@@ -492,10 +494,7 @@ class StreamHealer:
     not done: each layer keeps its best iterate by its own held-out batch, the start included."""
 
     def __init__(self, model, config, states_dir=None):
-        from .calibration import LayerwiseRunner
-        from .calibration.data import validate_calibration
-        from .layout import find_decoder_layers
-
+        
         self.t0 = time.perf_counter()
         o = dict(config.heal)
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
@@ -515,8 +514,7 @@ class StreamHealer:
             self.healer.targets(li)
 
     def after(self, li: int) -> None:
-        from .layers import FactorizedModule
-
+    
         layer = self.layer_list[li]
         ids = {id(p) for p in trainable(layer, self.o["train"])}
         own = [p for p in layer.parameters() if id(p) in ids]
@@ -529,8 +527,6 @@ class StreamHealer:
                     m.train_scales(False)
 
     def report(self) -> dict:
-        from .calibration.pipeline import _drop
-
         _drop(self.healer.hc)
         _drop(self.healer.hd)
         o = self.o
@@ -544,7 +540,6 @@ class StreamHealer:
 
 def heal_windows(model, calibration, tokenizer, o: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(held-out windows, training windows) of the calibration text for healing settings `o`."""
-    from .calibration.data import calibration_ids, calibration_tokenizer
 
     tok = calibration_tokenizer(model, calibration, tokenizer)
     ids = calibration_ids(calibration, tok, o["samples"], o["length"], o["seed"])
@@ -576,15 +571,13 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
         return _heal(model, teacher, calibration, steps, tokenizer=tokenizer, progress=progress, _config=_config,
                      **settings)
     finally:  # train="scales" | "all": the trained scales back into their stored float16 buffers
-        from .layers import FactorizedModule
-
+    
         for m in model.modules():
             if isinstance(m, FactorizedModule):
                 m.train_scales(False)
 
 
 def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, **settings) -> dict:
-    from .calibration.data import validate_calibration
 
     o = validate_heal({**settings, **({"steps": steps} if steps is not None else {})})
     calibration = validate_calibration(calibration)
@@ -633,6 +626,6 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
     cfg = _config if _config is not None else getattr(model.config, "quantization_config", None)
     if cfg is not None and hasattr(cfg, "stats"):
         cfg.stats = {**(cfg.stats or {}), "heal": report}
-    if teacher is None or isinstance(teacher, str):
+    if teacher is None or isinstance(teacher, (str, os.PathLike)):
         del dense
     return report

@@ -249,3 +249,16 @@ def test_model_card_reports_the_budget(tiny_dirs):
     a = m.config.quantization_config.stats["allocation"]["0"]
     assert f"target 0.6 of {a['params_targeted']:,} parameters, kept {a['params_kept']:,}" in card
     assert f"{len(a['kept_dense'])} matrices left dense" in card
+
+
+def test_calibration_tokenizer_accepts_a_path_object_as_well_as_a_string(tiny_with_tokenizer):
+    """A pathlib.Path to a tokenizer's folder is loaded like the same path as a string (not used as a tokenizer)."""
+    from pathlib import Path
+
+    from hf_tensorcomp.calibration.data import calibration_tokenizer
+
+    texts = ["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"]
+    by_str = calibration_tokenizer(None, texts, str(tiny_with_tokenizer))
+    by_path = calibration_tokenizer(None, texts, Path(tiny_with_tokenizer))
+    assert calibration_ids(texts, by_path, 2, 4, 0).tolist() == calibration_ids(texts, by_str, 2, 4, 0).tolist()
+    assert calibration_ids(texts, by_path, 2, 4, 0).shape == (2, 4)

@@ -171,3 +171,19 @@ def test_relative_steps_scale_each_entry_by_its_own_size():
     change = (p.detach() - start) / start
     assert p[2] == 0  # an entry at zero stays there
     assert torch.allclose(change[[0, 1, 3]].abs(), torch.full((3,), 1e-2), rtol=2e-2)  # each by 1 % of itself
+
+
+def test_teacher_and_tokenizer_given_as_path_objects_are_loaded(tiny_dirs):
+    """teacher=pathlib.Path heals exactly as teacher=str (the dense model loaded from it), and a config takes a
+    Path as its calibration_tokenizer."""
+    from pathlib import Path
+
+    reports = []
+    for teacher in (str(tiny_dirs["llama"]), Path(tiny_dirs["llama"])):
+        model = compressed(tiny_dirs)
+        reports.append(hf_tensorcomp.heal(model, teacher=teacher, steps=5, lr=3e-3, **SETTINGS))
+    for r in reports:
+        r.pop("seconds")
+    assert reports[0] == reports[1] and reports[0]["improved"]
+    cfg = TensorCompressionConfig(method="laser", rank=4, calibration_tokenizer=Path(tiny_dirs["llama"]))
+    assert cfg.calibration_tokenizer == Path(tiny_dirs["llama"])

@@ -16,6 +16,7 @@ drawn without replacement with a seeded generator, so the same seed gives the sa
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -117,7 +118,7 @@ def calibration_ids(value: Any, tokenizer, samples: int, length: int, seed: int)
 def calibration_tokenizer(model, calibration, tokenizer=None):
     """The tokenizer for calibration texts: `tokenizer` (object or path), else the model's own folder's;
     None for token ids."""
-    if tokenizer is not None and not isinstance(tokenizer, str):
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
     if is_token_ids(calibration):
         return None
