@@ -362,7 +362,6 @@ def trainable(model, train: str = "auto") -> list:
     ``"auto"``: both; ``"scales"``: the per-group scales of every quantized tensor (codes and zero
     points stay; turned into parameters here, `FactorizedModule.train_scales`, and folded back into
     their float16 buffers by `heal`); ``"all"``: factors, norms and scales."""
-
     out = {}
     for m in model.modules():
         if isinstance(m, FactorizedModule):
@@ -470,7 +469,6 @@ def heal_layerwise(model, dense, ids: torch.Tensor, trainable_ids: set, o: dict,
     """`LayerHealer` over every decoder layer of the compressed `model`, the `dense` model giving the
     targets: inputs are the compressed model's own hidden states (propagated), targets the dense
     model's outputs of the same layer on the dense stream."""
-
     prefix, layers = find_decoder_layers(model)
     dprefix, dense_layers = find_decoder_layers(dense)
     comp = LayerwiseRunner(model, prefix, layers, ids, o["batch_size"])
@@ -494,7 +492,6 @@ class StreamHealer:
     not done: each layer keeps its best iterate by its own held-out batch, the start included."""
 
     def __init__(self, model, config, states_dir=None):
-        
         self.t0 = time.perf_counter()
         o = dict(config.heal)
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
@@ -514,7 +511,6 @@ class StreamHealer:
             self.healer.targets(li)
 
     def after(self, li: int) -> None:
-    
         layer = self.layer_list[li]
         ids = {id(p) for p in trainable(layer, self.o["train"])}
         own = [p for p in layer.parameters() if id(p) in ids]
@@ -540,7 +536,6 @@ class StreamHealer:
 
 def heal_windows(model, calibration, tokenizer, o: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(held-out windows, training windows) of the calibration text for healing settings `o`."""
-
     tok = calibration_tokenizer(model, calibration, tokenizer)
     ids = calibration_ids(calibration, tok, o["samples"], o["length"], o["seed"])
     n_held = max(1, round(o["held_out"] * ids.shape[0]))
@@ -571,20 +566,18 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
         return _heal(model, teacher, calibration, steps, tokenizer=tokenizer, progress=progress, _config=_config,
                      **settings)
     finally:  # train="scales" | "all": the trained scales back into their stored float16 buffers
-    
         for m in model.modules():
             if isinstance(m, FactorizedModule):
                 m.train_scales(False)
 
 
 def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, **settings) -> dict:
-
     o = validate_heal({**settings, **({"steps": steps} if steps is not None else {})})
     calibration = validate_calibration(calibration)
     t0 = time.perf_counter()
     params = trainable(model, o["train"])
     if not params:
-        raise ValueError(f"heal: train={o['train']!r} finds nothing to train in this model; allowed: 'auto' | 'norms' | 'scales' | 'all'")
+        raise ValueError(f"heal: train={o['train']!r} finds nothing to train in this model; allowed: {' | '.join(map(repr, TRAIN))}")
     held, train_ids = heal_windows(model, calibration, tokenizer, o)
     dense = _teacher(model, teacher)
     start = [p.detach().clone() for p in params]
