@@ -197,21 +197,17 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
     by_last: dict[int, list] = {}
     for k, names in work:
         by_last.setdefault(max(_layer_of(n) for n in names), []).append((k, names))
-    if runner is None and healer is not None:  # streaming: every layer loaded, its units compressed, healed
-        for li in tqdm(range(len(layer_list)), desc="hf_tensorcomp: compressing and healing", disable=not config.progress,
-                       unit="layer"):
-            stream.upto(li)
-            healer.before(li)
+    if runner is None:  # no calibration: layer by layer, each unit once its last layer is in (streaming: loaded)
+        layers = range(len(layer_list)) if healer is not None else sorted(by_last)  # a healer heals every layer
+        for li in tqdm(layers, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="layer"):
+            if stream is not None:
+                stream.upto(li)
+            if healer is not None:
+                healer.before(li)
             for k, names in by_last.get(li, []):
                 compress_unit(k, names, None)
-            healer.after(li)
-        stream.upto(len(layer_list) - 1, release_last=True)
-        return module_stats, None
-    if runner is None:
-        for k, names in tqdm(work, desc="hf_tensorcomp: compressing", disable=not config.progress, unit="unit"):
-            if stream is not None:
-                stream.upto(max(_layer_of(n) for n in names))
-            compress_unit(k, names, None)
+            if healer is not None:
+                healer.after(li)
         if stream is not None:
             stream.upto(len(layer_list) - 1, release_last=True)
         return module_stats, None
