@@ -50,7 +50,7 @@ ROWS["qlr_bytes_0.27_b3_all"] = ROWS["qlr_bytes_0.27_b3"]
 ROWS["qlr_bytes_0.21_b3_all"] = {**ROWS["qlr_bytes_0.27_b3"], "target_bytes": 0.21}
 ROWS["qlr_bytes_0.27_b3_all_bf16"], ROWS["laser0.8_bf16"] = ROWS["qlr_bytes_0.27_b3"], ROWS["laser0.8"]
 ROWS["qlr_bytes_0.27_b3_all_bf16_alone"] = ROWS["qlr_bytes_0.27_b3"]  # the same, timed with nothing else running
-ROWS["laser0.8_481w_300s"] = ROWS["laser0.8"]  # every calibration window, three times the steps
+ROWS["laser0.8_481w_300s"], ROWS["laser0.6_481w_150s"] = ROWS["laser0.8"], ROWS["laser0.6"]  # every window, more steps
 HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples": 256},  # row -> its own healing settings
                   "laser0.8_layerwise": {"mode": "layerwise"}, "laser0.8_both": {"mode": "both"},
                   # the quantization scales trained too (codes fixed), beside the correction and the norms
@@ -59,7 +59,8 @@ HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples"
                   "qlr_bytes_0.27_b3_all_bf16": {"train": "all", "precision": "bfloat16"},
                   "laser0.8_bf16": {"precision": "bfloat16"},
                   "qlr_bytes_0.27_b3_all_bf16_alone": {"train": "all", "precision": "bfloat16"},
-                  "laser0.8_481w_300s": {"samples": 481, "steps": 300, "eval_every": 50, "precision": "bfloat16"}}
+                  "laser0.8_481w_300s": {"samples": 481, "steps": 300, "eval_every": 50, "precision": "bfloat16"},
+                  "laser0.6_481w_150s": {"samples": 481, "steps": 150, "eval_every": 50, "precision": "bfloat16"}}
 
 
 def _one(job: dict, q) -> None:
