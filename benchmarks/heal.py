@@ -58,9 +58,10 @@ HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples"
                   # the training forwards under bfloat16 autocast (parameters and held-out scoring float32)
                   "qlr_bytes_0.27_b3_all_bf16": {"train": "all", "precision": "bfloat16"},
                   "laser0.8_bf16": {"precision": "bfloat16"},
-                  "qlr_bytes_0.27_b3_all_bf16_alone": {"train": "all", "precision": "bfloat16"},
-                  "laser0.8_481w_300s": {"samples": 481, "steps": 300, "eval_every": 50, "precision": "bfloat16"},
-                  "laser0.6_481w_150s": {"samples": 481, "steps": 150, "eval_every": 50, "precision": "bfloat16"}}
+                  # every calibration window (481 of 256 tokens), more steps
+                  "laser0.8_481w_300s": {"samples": 481, "steps": 300, "eval_every": 50, "precision": "bfloat16"}}
+HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_bf16_alone"] = HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_bf16"]
+HEAL_OVERRIDES["laser0.6_481w_150s"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "steps": 150}
 
 
 def _one(job: dict, q) -> None:

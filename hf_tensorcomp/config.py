@@ -19,14 +19,13 @@ saved checkpoint can be rebuilt (on the meta device) before its weights load.
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .methods import get_method
 from .calibration.data import describe, validate_calibration
-from .validation import fail, is_int
+from .validation import fail, is_int, is_path
 
 QUANT_METHOD = "tensorcomp"
 FORMAT_VERSION = 1
@@ -202,7 +201,7 @@ class TensorCompressionConfig(QuantizationConfigMixin):
             fail("propagate", propagate, "True | False")
         self.calibration_samples, self.calibration_length = calibration_samples, calibration_length
         self.calibration_batch_size, self.calibration_seed, self.propagate = calibration_batch_size, calibration_seed, propagate
-        if calibration_tokenizer is not None and not isinstance(calibration_tokenizer, (str, os.PathLike)) and not callable(calibration_tokenizer):
+        if calibration_tokenizer is not None and not is_path(calibration_tokenizer) and not callable(calibration_tokenizer):
             fail("calibration_tokenizer", type(calibration_tokenizer).__name__, "None (the model's own), a path, or a tokenizer")
         self.calibration_tokenizer = calibration_tokenizer  # not saved: only needed while compressing
         from .healing import validate_heal

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 import warnings
@@ -31,7 +30,7 @@ from .calibration.data import calibration_ids, calibration_tokenizer, validate_c
 from .calibration.pipeline import _drop
 from .layers import FactorizedModule
 from .layout import find_decoder_layers
-from .validation import fail, is_int, is_number
+from .validation import fail, is_int, is_number, is_path
 
 
 def lr_schedule(step: int, total: int, warmup: float = 0.05, floor: float = 0.0) -> float:
@@ -380,7 +379,7 @@ def trainable(model, train: str = "auto") -> list:
 def _teacher(model, teacher):
     from transformers import AutoModelForCausalLM
 
-    if teacher is not None and not isinstance(teacher, (str, os.PathLike)):
+    if teacher is not None and not is_path(teacher):
         return teacher.eval()
     src = teacher or _source(model)
     if src is None:
@@ -619,6 +618,6 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
     cfg = _config if _config is not None else getattr(model.config, "quantization_config", None)
     if cfg is not None and hasattr(cfg, "stats"):
         cfg.stats = {**(cfg.stats or {}), "heal": report}
-    if teacher is None or isinstance(teacher, (str, os.PathLike)):
+    if teacher is None or is_path(teacher):
         del dense
     return report

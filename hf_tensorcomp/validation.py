@@ -6,6 +6,7 @@ Every error a user can get from a bad setting goes through `fail`, so they all r
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -16,6 +17,11 @@ def fail(field: str, got: Any, allowed: str) -> None:
 def is_int(x: Any, lo: int | None = None) -> bool:
     """An int (not a bool), at least `lo` if given."""
     return isinstance(x, int) and not isinstance(x, bool) and (lo is None or x >= lo)
+
+
+def is_path(x: Any) -> bool:
+    """A path given as a string or as an os.PathLike (pathlib.Path)."""
+    return isinstance(x, (str, os.PathLike))
 
 
 def is_number(x: Any) -> bool:

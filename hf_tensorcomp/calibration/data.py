@@ -16,12 +16,11 @@ drawn without replacement with a seeded generator, so the same seed gives the sa
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from ..validation import fail
+from ..validation import fail, is_path
 
 BUNDLED = ("wikipedia", "owt", "wikipedia+owt")
 ALLOWED = ("a bundled text name ('wikipedia' | 'owt' | 'wikipedia+owt': both, paragraphs alternating), a list of strings, a datasets.Dataset with a 'text' column, "
@@ -118,7 +117,7 @@ def calibration_ids(value: Any, tokenizer, samples: int, length: int, seed: int)
 def calibration_tokenizer(model, calibration, tokenizer=None):
     """The tokenizer for calibration texts: `tokenizer` (object or path), else the model's own folder's;
     None for token ids."""
-    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+    if tokenizer is not None and not is_path(tokenizer):
         return tokenizer
     if is_token_ids(calibration):
         return None
