@@ -135,7 +135,7 @@ def interleaved(models: dict, measures: dict, rounds: int = 3) -> dict:
 
 def run_rows(name: str, labels: list[str], models: list[str], job: dict, target) -> list[dict]:
     """One child process per (label, model) not yet in ``results/<name>.json`` (so its peak memory is its
-    own): ``target(job, queue)`` puts the row; rows are appended and written after each one."""
+    own): ``target(job, queue)`` puts the row; each row is appended to the file as soon as it is done."""
     import multiprocessing as mp
 
     path = RESULTS / f"{name}.json"
@@ -154,11 +154,28 @@ def run_rows(name: str, labels: list[str], models: list[str], job: dict, target)
             if q.empty():
                 print(f"{model} {label}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
                 continue
-            rows.append(q.get())
+            row = q.get()
             p.join()
-            print(json.dumps(rows[-1]), flush=True)
-            write_json(f"{name}.json", rows)
+            print(json.dumps(row), flush=True)
+            rows = _append_row(name, row)
     return rows
+
+
+def _append_row(name: str, row: dict) -> list[dict]:
+    """Append ``row`` to ``results/<name>.json`` as it is now, under a lock on the results folder, so
+    two runs of one benchmark (say one model each) add their rows without dropping the other's."""
+    import fcntl
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    fd = os.open(RESULTS, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        path = RESULTS / f"{name}.json"
+        rows = [*(json.loads(path.read_text()) if path.exists() else []), row]
+        write_json(f"{name}.json", rows)
+        return rows
+    finally:
+        os.close(fd)  # closing the folder's descriptor releases the lock
 
 
 def bench_main(doc: str, name: str, defaults: dict, run, report, plot, header) -> None:

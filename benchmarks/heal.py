@@ -49,6 +49,7 @@ ROWS["laser0.8_layerwise"], ROWS["laser0.8_both"] = ROWS["laser0.8"], ROWS["lase
 ROWS["qlr_bytes_0.27_b3_all"] = ROWS["qlr_bytes_0.27_b3"]
 ROWS["qlr_bytes_0.21_b3_all"] = {**ROWS["qlr_bytes_0.27_b3"], "target_bytes": 0.21}
 ROWS["qlr_bytes_0.27_b3_all_bf16"], ROWS["laser0.8_bf16"] = ROWS["qlr_bytes_0.27_b3"], ROWS["laser0.8"]
+ROWS["laser0.6_bf16"] = ROWS["laser0.6"]
 ROWS["qlr_bytes_0.27_b3_all_bf16_alone"] = ROWS["qlr_bytes_0.27_b3"]  # the same, timed with nothing else running
 ROWS["laser0.8_481w_300s"], ROWS["laser0.6_481w_150s"] = ROWS["laser0.8"], ROWS["laser0.6"]  # every window, more steps
 HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples": 256},  # row -> its own healing settings
@@ -57,11 +58,19 @@ HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples"
                   "qlr_bytes_0.27_b3_all": {"train": "all"}, "qlr_bytes_0.21_b3_all": {"train": "all"},
                   # the training forwards under bfloat16 autocast (parameters and held-out scoring float32)
                   "qlr_bytes_0.27_b3_all_bf16": {"train": "all", "precision": "bfloat16"},
-                  "laser0.8_bf16": {"precision": "bfloat16"},
+                  "laser0.8_bf16": {"precision": "bfloat16"}, "laser0.6_bf16": {"precision": "bfloat16"},
                   # every calibration window (481 of 256 tokens), more steps
                   "laser0.8_481w_300s": {"samples": 481, "steps": 300, "eval_every": 50, "precision": "bfloat16"}}
 HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_bf16_alone"] = HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_bf16"]
 HEAL_OVERRIDES["laser0.6_481w_150s"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "steps": 150}
+# qlr (3-bit rungs) at int4's bytes and at the 3-bit class's, scales trained too, every window, more steps
+ROWS["qlr_bytes_0.27_b3_all_481w_300s"] = ROWS["qlr_bytes_0.27_b3"]
+ROWS["qlr_bytes_0.21_b3_all_481w_150s"] = ROWS["qlr_bytes_0.21_b3_all"]
+HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_300s"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "train": "all"}
+HEAL_OVERRIDES["qlr_bytes_0.21_b3_all_481w_150s"] = {**HEAL_OVERRIDES["laser0.6_481w_150s"], "train": "all"}
+# the 300-step LASER row with 800 windows sampled from the dense teacher added to the 421 it trains on
+ROWS["laser0.8_481w_300s_gen800"] = ROWS["laser0.8"]
+HEAL_OVERRIDES["laser0.8_481w_300s_gen800"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "generated": 800}
 
 
 def _one(job: dict, q) -> None:

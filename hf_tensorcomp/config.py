@@ -25,6 +25,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .methods import get_method
 from .calibration.data import describe, validate_calibration
+from .healing import validate_heal
 from .validation import fail, is_int, is_path
 
 QUANT_METHOD = "tensorcomp"
@@ -204,8 +205,6 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         if calibration_tokenizer is not None and not is_path(calibration_tokenizer) and not callable(calibration_tokenizer):
             fail("calibration_tokenizer", type(calibration_tokenizer).__name__, "None (the model's own), a path, or a tokenizer")
         self.calibration_tokenizer = calibration_tokenizer  # not saved: only needed while compressing
-        from .healing import validate_heal
-
         self.heal = validate_heal(heal)
         if (embedding_bits not in FACTOR_BITS and embedding_bits != "auto") or isinstance(embedding_bits, bool):
             fail("embedding_bits", embedding_bits, "None (embedding and head as they are) | 8 | 4 (integer codes per group "

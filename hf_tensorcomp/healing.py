@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from .calibration import LayerwiseRunner
 from .calibration.data import calibration_ids, calibration_tokenizer, validate_calibration
-from .calibration.pipeline import _drop
+from .calibration.pipeline import drop_states
 from .layers import FactorizedModule
 from .layout import find_decoder_layers
 from .validation import fail, is_int, is_number, is_path
@@ -313,7 +313,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
 # ---------------------------------------------------------------------------------------- heal
 HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-3, "relative": True, "batch_size": 4,
                  "train": "auto", "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 256,
-                 "length": 256, "gradient_checkpointing": False, "precision": "auto"}
+                 "length": 256, "gradient_checkpointing": False, "precision": "auto", "generated": 0}
 TRAIN = ("auto", "factors", "norms", "scales", "all")
 MODES = ("e2e", "layerwise", "both")
 
@@ -334,7 +334,8 @@ def validate_heal(value):
     if o["mode"] not in MODES:
         fail("heal.mode", o["mode"], " | ".join(map(repr, MODES)) + " (end to end on the logits, layer by layer on "
              "each decoder layer's output, or layer-wise then end to end)")
-    for key, lo in (("steps", 1), ("layer_steps", 1), ("batch_size", 1), ("eval_every", 1), ("samples", 2), ("length", 2)):
+    for key, lo in (("steps", 1), ("layer_steps", 1), ("batch_size", 1), ("eval_every", 1), ("samples", 2), ("length", 2),
+                    ("generated", 0)):
         if not is_int(o[key], lo):
             fail(f"heal.{key}", o[key], f"an int >= {lo}")
     if not is_int(o["seed"]):
@@ -342,6 +343,9 @@ def validate_heal(value):
     for key, lo, hi in (("lr", 0, 1), ("lm_weight", 0, 100), ("held_out", 0, 0.5)):
         if not is_number(o[key]) or not lo <= o[key] <= hi or (key == "held_out" and o[key] == 0):
             fail(f"heal.{key}", o[key], f"a number in {'(' if key == 'held_out' else '['}{lo}, {hi}]")
+    if o["generated"] and o["mode"] == "layerwise":
+        fail("heal.generated", o["generated"], "0 with mode='layerwise' (windows sampled from the teacher feed the "
+             "end-to-end step: mode='e2e' or 'both')")
     if o["train"] not in TRAIN:
         fail("heal.train", o["train"], " | ".join(map(repr, TRAIN)))
     if o["precision"] not in PRECISIONS:
@@ -459,8 +463,8 @@ class LayerHealer:
                     p.requires_grad_(flag)
             self.layers.append({"layer": li, "mse_before": round(first, 8), "mse_after": round(best_loss, 8)})
         new = self._forward(li, hc, dense=False)
-        _drop(hc, new, target)  # states on disk (streaming's states_dir): the stale ones removed
-        _drop(self.hd, new, target)
+        drop_states(hc, new, target)  # states on disk (streaming's states_dir): the stale ones removed
+        drop_states(self.hd, new, target)
         self.hc, self.hd, self.target = new, target, None
 
 
@@ -522,8 +526,8 @@ class StreamHealer:
                     m.train_scales(False)
 
     def report(self) -> dict:
-        _drop(self.healer.hc)
-        _drop(self.healer.hd)
+        drop_states(self.healer.hc)
+        drop_states(self.healer.hd)
         o = self.o
         layers = self.healer.layers
         return {"mode": "layerwise", "streamed": True, "layer_steps": o["layer_steps"], "train": o["train"],
@@ -531,6 +535,32 @@ class StreamHealer:
                 "tokens": len(layers) * o["layer_steps"] * o["batch_size"] * self.tokens, "windows": self.windows,
                 "length": self.tokens,
                 "layerwise": {"layers": layers}, "seconds": round(time.perf_counter() - self.t0, 1)}
+
+
+@torch.no_grad()
+def teacher_windows(teacher, prompts: torch.Tensor, n: int, length: int, seed: int = 0, batch_size: int = 64,
+                    precision: str = "float32", progress: bool = False) -> torch.Tensor:
+    """``n`` windows of ``length`` tokens sampled from `teacher` (its full next-token distribution:
+    temperature 1, no top-k / top-p, no end of text), each continuing the first ``length // 8`` tokens of
+    a window of `prompts` (cycled). Healing text with no end: the KL to the teacher is then trained on the
+    states the teacher itself visits, as in data-free distillation (LLM-QAT), beside the calibration text.
+    ``precision="bfloat16"``: the teacher's forwards under bfloat16 autocast, as healing's. Deterministic for
+    a seed (the global generator is forked, not consumed)."""
+    k = max(1, length // 8)
+    heads = prompts[:, :k]
+    heads = heads.repeat((n + heads.shape[0] - 1) // heads.shape[0], 1)[:n]
+    device = next(teacher.parameters()).device
+    out = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _autocast(device, precision):
+        torch.manual_seed(seed)
+        for chunk in tqdm(heads.split(batch_size), desc="hf_tensorcomp: sampling from the teacher", disable=not progress,
+                          unit="batch"):
+            new = length - k
+            out.append(teacher.generate(chunk.to(device), attention_mask=torch.ones_like(chunk, device=device),
+                                        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_p=None,
+                                        repetition_penalty=1.0, max_new_tokens=new, min_new_tokens=new,
+                                        pad_token_id=0).cpu())
+    return torch.cat(out)
 
 
 def heal_windows(model, calibration, tokenizer, o: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -590,6 +620,11 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
         report["layerwise"] = heal_layerwise(model, dense, train_ids, {id(p) for p in params}, o, progress)
         report["tokens"] += len(report["layerwise"]["layers"]) * o["layer_steps"] * o["batch_size"] * int(train_ids.shape[1])
     if o["mode"] in ("e2e", "both"):
+        if o["generated"]:
+            sampled = teacher_windows(dense, train_ids, o["generated"], int(train_ids.shape[1]), o["seed"],
+                                      precision=o["precision"], progress=progress)
+            train_ids = torch.cat([train_ids, sampled])
+            report["generated"] = o["generated"]
         checkpointing = o["gradient_checkpointing"] and hasattr(model, "gradient_checkpointing_enable")
         if checkpointing:
             model.gradient_checkpointing_enable()

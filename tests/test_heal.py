@@ -187,3 +187,31 @@ def test_teacher_and_tokenizer_given_as_path_objects_are_loaded(tiny_dirs):
     assert reports[0] == reports[1] and reports[0]["improved"]
     cfg = TensorCompressionConfig(method="laser", rank=4, calibration_tokenizer=Path(tiny_dirs["llama"]))
     assert cfg.calibration_tokenizer == Path(tiny_dirs["llama"])
+
+
+def test_teacher_windows_sample_the_full_distribution_after_real_prompts(tiny_dirs):
+    """Uniform logits (a zero head): every token of the vocabulary is drawn, although the model's generation
+    config asks for top-k 5 (which sampling must override); the prompt heads stay; the seed decides."""
+    from hf_tensorcomp.healing import teacher_windows
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    torch.nn.init.zeros_(teacher.lm_head.weight)
+    teacher.generation_config.top_k, teacher.generation_config.eos_token_id = 5, 3
+    prompts = calib(n=4, length=64)
+    state = torch.random.get_rng_state()
+    out = teacher_windows(teacher, prompts, n=10, length=64, seed=1)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global generator is not consumed
+    assert out.shape == (10, 64) and torch.equal(out[:, :8], prompts[[0, 1, 2, 3, 0, 1, 2, 3, 0, 1], :8])
+    assert torch.equal(out, teacher_windows(teacher, prompts, n=10, length=64, seed=1))
+    assert not torch.equal(out, teacher_windows(teacher, prompts, n=10, length=64, seed=2))
+    counts = torch.bincount(out[:, 8:].flatten(), minlength=VOCAB)  # 560 draws over 101 tokens
+    assert (counts > 0).sum() > 90 and counts.max() < 20
+
+
+def test_healing_on_windows_sampled_from_the_teacher(tiny_dirs):
+    model = compressed(tiny_dirs)
+    report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, generated=8, **SETTINGS)
+    assert report["generated"] == 8 and report["improved"]
+    assert report["held_out_kl_after"] < 0.9 * report["held_out_kl_before"]
+    with pytest.raises(ValueError, match=r"heal\.generated: got 8.*mode='e2e' or 'both'"):
+        hf_tensorcomp.heal(model, mode="layerwise", generated=8, **SETTINGS)

@@ -63,7 +63,7 @@ class DiskStates:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _drop(states, *keep) -> None:
+def drop_states(states, *keep) -> None:
     """Remove `states`' files when it is a `DiskStates` none of `keep` still uses."""
     if isinstance(states, DiskStates) and all(states is not k for k in keep):
         states.drop()
@@ -155,7 +155,7 @@ class LayerwiseRunner:
 
     def close(self) -> None:
         """Remove the states' files (``states_dir``); the runner cannot run again."""
-        _drop(self.hidden)
+        drop_states(self.hidden)
 
     def _check_finite(self, li: int, out: list[torch.Tensor], when: str) -> None:
         """Stop at the first decoder layer whose outputs are not finite (its inputs were), naming it."""
@@ -210,23 +210,23 @@ class LayerwiseRunner:
             changed = on_layer(li, stats)
             del stats
             if changed and propagate and (li < last or keep_last):  # the outputs again, from the compressed layer
-                _drop(out, self.hidden)
+                drop_states(out, self.hidden)
                 out = None  # the dense layer's outputs are not needed: freed before the forward, not after it
                 out = self._forward(li, hidden)
                 self._check_finite(li, out, " once compressed")
-            _drop(hidden, self.hidden, dense)
+            drop_states(hidden, self.hidden, dense)
             hidden = out
             if paired:
-                _drop(dense, self.hidden, hidden)
+                drop_states(dense, self.hidden, hidden)
                 dense = dense_out
             if after is not None:
                 after(li)
-        _drop(dense, self.hidden, hidden)
+        drop_states(dense, self.hidden, hidden)
         if keep_last:
             return hidden
-        _drop(hidden, self.hidden)
+        drop_states(hidden, self.hidden)
         return None
 
     def drop_states(self, states) -> None:
         """Remove the files of states `run` returned (``keep_last``), unless they are the runner's own."""
-        _drop(states, self.hidden)
+        drop_states(states, self.hidden)
