@@ -63,10 +63,8 @@ HEAL_OVERRIDES = {"laser0.8_256w": {"samples": 256}, "laser0.6_256w": {"samples"
                   "laser0.8_481w_300s": {"samples": 481, "steps": 300, "eval_every": 50, "precision": "bfloat16"}}
 HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_bf16_alone"] = HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_bf16"]
 HEAL_OVERRIDES["laser0.6_481w_150s"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "steps": 150}
-# qlr (3-bit rungs) at int4's bytes and at the 3-bit class's, scales trained too, every window, more steps
-ROWS["qlr_bytes_0.27_b3_all_481w_300s"] = ROWS["qlr_bytes_0.27_b3"]
+# qlr (3-bit rungs) at the 3-bit class's bytes, scales trained too, every window, more steps
 ROWS["qlr_bytes_0.21_b3_all_481w_150s"] = ROWS["qlr_bytes_0.21_b3_all"]
-HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_300s"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "train": "all"}
 HEAL_OVERRIDES["qlr_bytes_0.21_b3_all_481w_150s"] = {**HEAL_OVERRIDES["laser0.6_481w_150s"], "train": "all"}
 # the 300-step LASER row with 800 windows sampled from the dense teacher added to the 421 it trains on
 ROWS["laser0.8_481w_300s_gen800"] = ROWS["laser0.8"]
