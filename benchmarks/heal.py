@@ -69,6 +69,8 @@ HEAL_OVERRIDES["qlr_bytes_0.21_b3_all_481w_150s"] = {**HEAL_OVERRIDES["laser0.6_
 # the 300-step LASER row with 800 windows sampled from the dense teacher added to the 421 it trains on
 ROWS["laser0.8_481w_300s_gen800"] = ROWS["laser0.8"]
 HEAL_OVERRIDES["laser0.8_481w_300s_gen800"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "generated": 800}
+ROWS["laser0.6_481w_150s_gen600"] = ROWS["laser0.6"]  # the same for the 150-step LASER 0.6 row, 600 windows
+HEAL_OVERRIDES["laser0.6_481w_150s_gen600"] = {**HEAL_OVERRIDES["laser0.6_481w_150s"], "generated": 600}
 
 
 def _one(job: dict, q) -> None:
