@@ -66,10 +66,8 @@ HEAL_OVERRIDES["laser0.6_481w_150s"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], 
 # qlr (3-bit rungs) at the 3-bit class's bytes, scales trained too, every window, more steps
 ROWS["qlr_bytes_0.21_b3_all_481w_150s"] = ROWS["qlr_bytes_0.21_b3_all"]
 HEAL_OVERRIDES["qlr_bytes_0.21_b3_all_481w_150s"] = {**HEAL_OVERRIDES["laser0.6_481w_150s"], "train": "all"}
-# the 300-step LASER row with 800 windows sampled from the dense teacher added to the 421 it trains on
-ROWS["laser0.8_481w_300s_gen800"] = ROWS["laser0.8"]
-HEAL_OVERRIDES["laser0.8_481w_300s_gen800"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "generated": 800}
-ROWS["laser0.6_481w_150s_gen600"] = ROWS["laser0.6"]  # the same for the 150-step LASER 0.6 row, 600 windows
+# the 150-step LASER 0.6 row with 600 windows sampled from the dense teacher added to the 421 it trains on
+ROWS["laser0.6_481w_150s_gen600"] = ROWS["laser0.6"]
 HEAL_OVERRIDES["laser0.6_481w_150s_gen600"] = {**HEAL_OVERRIDES["laser0.6_481w_150s"], "generated": 600}
 
 

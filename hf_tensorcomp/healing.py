@@ -547,6 +547,7 @@ def teacher_windows(teacher, prompts: torch.Tensor, n: int, length: int, seed: i
     ``precision="bfloat16"``: the teacher's forwards under bfloat16 autocast, as healing's. Deterministic for
     a seed (the global generator is forked, not consumed)."""
     k = max(1, length // 8)
+    new = length - k
     heads = prompts[:, :k]
     heads = heads.repeat((n + heads.shape[0] - 1) // heads.shape[0], 1)[:n]
     device = next(teacher.parameters()).device
@@ -555,7 +556,6 @@ def teacher_windows(teacher, prompts: torch.Tensor, n: int, length: int, seed: i
         torch.manual_seed(seed)
         for chunk in tqdm(heads.split(batch_size), desc="hf_tensorcomp: sampling from the teacher", disable=not progress,
                           unit="batch"):
-            new = length - k
             out.append(teacher.generate(chunk.to(device), attention_mask=torch.ones_like(chunk, device=device),
                                         do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_p=None,
                                         repetition_penalty=1.0, max_new_tokens=new, min_new_tokens=new,
@@ -586,7 +586,8 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
     ``"layerwise"`` (`heal_layerwise`, ``layer_steps`` per layer) or ``"both"`` (layer-wise, then end to
     end). Other settings: `HEAL_DEFAULTS` (``lr``, ``relative`` — steps relative to each entry's size,
     `RelativeSteps`, the default —, ``batch_size``, ``train``, ``lm_weight``,
-    ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``, ``precision`` —
+    ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``, ``generated`` — windows
+    sampled from the teacher added to the end-to-end step's (`teacher_windows`) —, ``precision`` —
     ``"auto"`` (default: `resolve_precision`), ``"float32"``, or ``"bfloat16"``: the training forwards under
     bfloat16 autocast, 1.65x faster on a CPU with native bfloat16 products and healing as far (SmolLM2,
     `benchmarks/heal.py`); the held-out scoring that decides what is kept stays float32).
