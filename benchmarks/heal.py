@@ -31,6 +31,8 @@ DEFAULTS = {
     "heal": {"steps": 100, "samples": 64, "length": 256, "batch_size": 4, "eval_every": 25},  # lr: the library default
     "bigbench_examples": 0,  # BIG-bench goal_step_wikihow accuracy before and after healing (0: not scored)
     "threads": 2,
+    "device": "cpu",  # "cuda": compressed on the CPU, then healed and scored on the GPU (the teacher beside it)
+    "progress": False,  # progress bars (compression and healing) on stderr
 }
 ROWS = {
     "laser0.8": {"method": "laser", "target": 0.8, "whiten": True, "weighting": "fisher", "targets": ["*_proj"]},
@@ -69,6 +71,16 @@ HEAL_OVERRIDES["qlr_bytes_0.21_b3_all_481w_150s"] = {**HEAL_OVERRIDES["laser0.6_
 # the 150-step LASER 0.6 row with 600 windows sampled from the dense teacher added to the 421 it trains on
 ROWS["laser0.6_481w_150s_gen600"] = ROWS["laser0.6"]
 HEAL_OVERRIDES["laser0.6_481w_150s_gen600"] = {**HEAL_OVERRIDES["laser0.6_481w_150s"], "generated": 600}
+# on a GPU: every window, batches of 8, many more steps (the best iterate by the held-out windows), windows
+# sampled from the teacher beside the real ones for the LASER rows (against over-fitting the 421 real ones)
+GPU_HEAL = {"samples": 481, "batch_size": 8, "eval_every": 100, "precision": "bfloat16"}
+ROWS["laser0.8_gpu_1500s_gen1000"], ROWS["laser0.6_gpu_1500s_gen1000"] = ROWS["laser0.8"], ROWS["laser0.6"]
+ROWS["qlr_bytes_0.27_b3_all_gpu_800s"] = ROWS["qlr_bytes_0.27_b3"]
+ROWS["laser0.8_gpu_600s"] = ROWS["laser0.8"]
+HEAL_OVERRIDES["laser0.8_gpu_600s"] = {**GPU_HEAL, "steps": 600}
+HEAL_OVERRIDES["laser0.8_gpu_1500s_gen1000"] = {**GPU_HEAL, "steps": 1500, "generated": 1000}
+HEAL_OVERRIDES["laser0.6_gpu_1500s_gen1000"] = {**GPU_HEAL, "steps": 1500, "generated": 1000}
+HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_gpu_800s"] = {**GPU_HEAL, "steps": 800, "train": "all"}
 
 
 def _one(job: dict, q) -> None:
@@ -80,15 +92,18 @@ def _one(job: dict, q) -> None:
 
     path, tok, row = child_setup(job)
     if job["row"] == "dense":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(job["device"])
         row["ppl"] = ppl_both(model, tok, job["eval_tokens"])
         row["linear_bytes"] = 1.0
         if job["bigbench_examples"]:
             row.update(wikihow(model, tok, job["bigbench_examples"]))
     else:
-        cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", calibration_samples=job["calibration_samples"],
+        cfg = TensorCompressionConfig(progress=job["progress"], calibration="wikipedia", calibration_samples=job["calibration_samples"],
                                       calibration_length=job["calibration_length"], **ROWS[job["row"]])
+        t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg).eval()
+        row["compress_s"] = round(time.perf_counter() - t0, 1)
+        model.to(job["device"])
         stored, dense = _linear_bytes(model)
         row["linear_bytes"] = stored / dense
         row["ppl_before"] = ppl_both(model, tok, job["eval_tokens"])
@@ -96,7 +111,7 @@ def _one(job: dict, q) -> None:
             row["before"] = wikihow(model, tok, job["bigbench_examples"])
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
-        row["heal"] = hf_tensorcomp.heal(model, calibration="wikipedia", progress=False,
+        row["heal"] = hf_tensorcomp.heal(model, calibration="wikipedia", progress=job["progress"],
                                          **{**job["heal"], **HEAL_OVERRIDES.get(job["row"], {})})
         row["heal_s"] = round(time.perf_counter() - t0, 1)
         row["heal_peak_rss_mb"] = round(max(rss0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
@@ -104,6 +119,9 @@ def _one(job: dict, q) -> None:
         if job["bigbench_examples"]:
             row.update(wikihow(model, tok, job["bigbench_examples"]))
     row["threads"] = job["threads"]
+    if job["device"] != "cpu":
+        row["device"] = torch.cuda.get_device_name() if job["device"].startswith("cuda") else job["device"]
+        row["gpu_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None
     row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     q.put(row)
 
@@ -124,7 +142,7 @@ def report(rows: list[dict]) -> str:
             if "wikihow" in r and "wikihow" in dense:
                 t["acc"] = (f"{dense['wikihow']:.3f} / {r['before']['wikihow']:.3f} → {r['wikihow']:.3f} "
                             f"± {r['wikihow_se']:.3f} (n={r['wikihow_n']})")
-            t["threads"] = r.get("threads", "-")
+            t["threads"] = r.get("device") or r.get("threads", "-")  # a GPU row: the device instead
             for c in ("wikipedia", "owt"):
                 t[f"before_{c}"] = r["ppl_before"][c] / dense["ppl"][c]
                 t[f"after_{c}"] = r["ppl"][c] / dense["ppl"][c]
@@ -136,7 +154,7 @@ def report(rows: list[dict]) -> str:
             ("before_wikipedia", "Wikipedia before", "{:.3f}x"), ("after_wikipedia", "Wikipedia healed", "{:.3f}x"),
             ("before_owt", "OpenWebText before", "{:.3f}x"), ("after_owt", "OpenWebText healed", "{:.3f}x"),
             ("kl", "held-out KL", "{}"), ("acc", "wikihow acc: dense / before → healed", "{}"),
-            ("heal_s", "healing s", "{:.0f}"), ("threads", "threads", "{}"), ("rss", "peak RSS MB", "{:,}")]))
+            ("heal_s", "healing s", "{:.0f}"), ("threads", "threads / device", "{}"), ("rss", "peak RSS MB", "{:,}")]))
         out.append("")
     return "\n".join(out)
 

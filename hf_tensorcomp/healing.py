@@ -140,7 +140,9 @@ def relative_mse(module: nn.Module, dense_linear, inputs: torch.Tensor, batch: i
 
 # ---------------------------------------------------------------------------------------- distillation
 def _log_probs(model, batch: torch.Tensor) -> torch.Tensor:
-    return F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), -1)
+    """Next-token log-probabilities on the batch's device (a teacher given on another device runs on its own)."""
+    logits = model(input_ids=batch.to(model.device), use_cache=False).logits
+    return F.log_softmax(logits.float(), -1).to(batch.device)
 
 
 def kl_to_teacher(student_lp: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
@@ -389,7 +391,10 @@ def _teacher(model, teacher):
     if src is None:
         raise ValueError("heal: teacher=None, and the model does not record the dense model it was made from; allowed: "
                          "teacher=<the dense model or its path>")
-    dense = AutoModelForCausalLM.from_pretrained(src, dtype=next(model.parameters()).dtype)
+    first = next(model.parameters())
+    dense = AutoModelForCausalLM.from_pretrained(src, dtype=first.dtype)
+    if first.device.type not in ("cpu", "meta"):  # the teacher beside the student (on its accelerator)
+        dense.to(first.device)
     if getattr(dense.config, "quantization_config", None) is not None:
         raise ValueError(f"heal: the teacher loaded from {src!r} is itself compressed or quantized; allowed: "
                          "teacher=<the dense model or its path>")

@@ -289,7 +289,7 @@ def head_gram(model: nn.Module, head: nn.Module, ids: torch.Tensor, batch_size: 
                     pass
     finally:
         handle.remove()
-    return stats.gram.float()
+    return stats.gram.float().to(head.weight.device)
 
 
 def final_gram(model: nn.Module, runner, final) -> torch.Tensor | None:

@@ -26,9 +26,14 @@ CONFIGS = {
     "trawl_cp": dict(method="trawl", rank=8, decomposition="cp"),
     "trawl_tucker": dict(method="trawl", rank=[2, 8, 8], decomposition="tucker"),
     "tensorllm": dict(method="tensorllm", ratio=2),
+    "tensorllm_whitened": dict(method="tensorllm", targets=["self_attn.*_proj"], whiten=True, target=0.8, calibration=CAL),
+    "trawl_whitened": dict(method="trawl", decomposition="tucker", group="qkvo", whiten=True, target=0.8, calibration=CAL),
     "einsort": dict(method="einsort", target=0.8),
     "rotor": dict(method="rotor", targets=["self_attn.q_proj"], layers=[1], depth=1, width=1, lr=0.05, batch_size=16, epochs=8,
                   calibration=CAL),
+    "qlr_rank": dict(method="qlr", bits=4, group_size=16, rank=4, calibration=CAL),
+    "qlr_bytes": dict(method="qlr", target_bytes=0.4, group_size=16, grid="search", estimate="quantizer", calibration=CAL),
+    "laser_int8_factors": dict(method="laser", rank=0.5, factor_bits=8, group_size=16),
     "lr4": dict(method="rotor", structure="lr4", layers=[1], lr=0.05, batch_size=16, epochs=8, calibration=CAL),
 }
 
@@ -86,3 +91,19 @@ def test_streaming_on_gpu_matches_cpu(tiny_dirs, ids, tmp_path):
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()(ids).logits
     want, got = cpu(ids).logits, gpu(ids).logits
     assert rel_err(got, want) < 1e-2 * max(rel_err(want, dense), 1e-3) + 1e-4
+
+
+@pytest.mark.parametrize("mode", ["e2e", "both"])
+def test_healing_on_gpu_lowers_the_held_out_loss(tiny_dirs, mode):
+    """`heal` on a model on the GPU: the teacher (reloaded from the recorded source) goes beside it, the training runs
+    there under the device's precision, windows sampled from the teacher included, and the best iterate is kept."""
+    import hf_tensorcomp
+    from hf_tensorcomp.healing import resolve_precision
+
+    model = load(tiny_dirs["llama"], "cuda", method="laser", rank=4)
+    cal = torch.randint(0, VOCAB, (16, 32), generator=torch.Generator().manual_seed(5))
+    report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, calibration=cal, samples=16, length=32, eval_every=10,
+                                mode=mode, generated=4 if mode == "e2e" else 0, progress=False)
+    assert report["improved"] and report["held_out_kl_after"] < 0.9 * report["held_out_kl_before"], report
+    assert report["precision"] == resolve_precision("auto", torch.device("cuda"))
+    assert all(p.device.type == "cuda" for p in model.parameters())

@@ -74,6 +74,18 @@ class ModuleStats:
         if "inputs" in self.kinds:
             self._inputs.append(x.detach().cpu().clone())
 
+    def to(self, device) -> "ModuleStats":
+        """The summed statistics (Gram, cross, |x| sums, Fisher, weight gradients) moved to `device`, the layer's:
+        they are gathered on the host (float64, the device's memory kept for the layer), and used beside its
+        weights. The input rows and sequences stay on the host (the methods that train on them move batches)."""
+        for name in ("gram", "cross", "_abs_sum", "fisher"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        if self.weight_grad is not None:
+            self.weight_grad = {k: v.to(device) for k, v in self.weight_grad.items()}
+        return self
+
     def add_sequences(self, x: torch.Tensor) -> None:
         self._sequences.append(x.detach().float().cpu().clone())
 

@@ -163,7 +163,7 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor | None, bits: int, group_s
     if bits not in BITS:
         raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
     out_f, in_f = w.shape
-    Hinv = gptq_inverse(gram, damping) if inverse is None else inverse
+    Hinv = (gptq_inverse(gram.to(w.device), damping) if inverse is None else inverse).to(w.device)
     step = max(1, GPTQ_BLOCK_BYTES // (8 * in_f))
     parts = [_gptq_rows(w[r0: r0 + step], Hinv, bits, group_size, grid) for r0 in range(0, out_f, step)]
     codes, scales, zeros = (torch.cat([p[k] for p in parts]) for k in range(3))

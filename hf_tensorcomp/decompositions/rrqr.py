@@ -51,10 +51,10 @@ def strong_rrqr(a: torch.Tensor, k: int, f: float = 1.5, max_swaps: int = 200) -
         d = r11.diagonal().abs()
         if float(d.min()) <= 1e-12 * max(float(d.max()), 1e-300):
             break  # the chosen columns are already dependent: no swap can be measured against R11⁻¹
-        eye = torch.eye(k, dtype=r.dtype)
+        eye = torch.eye(k, dtype=r.dtype, device=r.device)
         inv = torch.linalg.solve_triangular(r11, eye, upper=True)
         w = inv @ r12
-        gamma = r[k:, k:].norm(dim=0) if r.shape[0] > k else torch.zeros(n - k, dtype=r.dtype)
+        gamma = r[k:, k:].norm(dim=0) if r.shape[0] > k else torch.zeros(n - k, dtype=r.dtype, device=r.device)
         rho2 = w.pow(2) + torch.outer(inv.norm(dim=1), gamma).pow(2)  # 1/omega_i = ‖row i of R11⁻¹‖
         best = int(rho2.argmax())
         if float(rho2.view(-1)[best]) <= f * f:

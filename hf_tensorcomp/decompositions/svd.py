@@ -85,6 +85,7 @@ def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
     (Fisher-weighted SVD with d = sqrt of the outputs' mean squared loss gradient).
     """
     _check_rank("whitened_svd", w, rank)
+    s, d = _beside(w, s, d)
     ws = _weighted(w, s, d)
     U, S, Vh = torch.linalg.svd(ws, full_matrices=False)
     root = S[:rank].sqrt()
@@ -101,9 +102,15 @@ def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
     return u.float(), v.float(), S
 
 
+def _beside(w: torch.Tensor, *stats):
+    """`stats` (whitening factors, scales; None passes) on `w`'s device: statistics may be gathered on the host."""
+    return tuple(None if t is None else t.to(w.device) for t in stats)
+
+
 def _weighted(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None) -> torch.Tensor:
     """D W S in float64 (S: whitening factor or 1-D scales; either side may be None)."""
     wd = w.detach().double()
+    s, d = _beside(w, s, d)
     if s is not None:
         wd = wd * s if s.ndim == 1 else wd @ s
     if d is not None:

@@ -36,7 +36,7 @@ class QuantizedLowRankLinear(FactorizedModule):
         """From a quantized weight (`decompositions.quantize.QTensor`, out x in) and the correction B A."""
         out_f, in_f = qweight.shape
         rank = 0 if a is None else a.shape[0]
-        m = cls(in_f, out_f, rank, bias=bias is not None, dtype=dtype)
+        m = cls(in_f, out_f, rank, bias=bias is not None, dtype=dtype, device=qweight.codes.device)
         with torch.no_grad():
             if rank:
                 m.lora_A.copy_(a.to(dtype))

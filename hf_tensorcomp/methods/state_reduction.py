@@ -191,7 +191,7 @@ def _selection_error(m: nn.Module, sel: list[torch.Tensor]) -> float:
     w = torch.cat([wq, wk], -1).detach().double()
     num = den = 0.0
     for h, s in enumerate(sel):
-        p = torch.eye(m.head_k_dim, dtype=torch.float64)[s] if s.dtype == torch.long else s.double()
+        p = torch.eye(m.head_k_dim, dtype=torch.float64, device=w.device)[s.to(w.device)] if s.dtype == torch.long else s.double().to(w.device)
         num += float((w[h] - p.T @ (p @ w[h])).pow(2).sum())
         den += float(w[h].pow(2).sum())
     return (num / den) ** 0.5 if den > 0 else 0.0

@@ -209,7 +209,7 @@ class TensorLLM(Method):
             if s is not None:
                 u1 = unwhiten_factor(s, u1).float()
             if opts["whiten"] and "o" in roles and ranks[2] == len(roles):  # every matrix its own cores: refit O's
-                core, u3 = torch.einsum("jr,abrh->abjh", u3, core), torch.eye(len(roles))
+                core, u3 = torch.einsum("jr,abrh->abjh", u3, core), torch.eye(len(roles), device=core.device)
                 jo = list(roles).index("o")
                 p = whitening_factor(ctx.stats[roles["o"]].gram, opts["damping"])
                 blocks = torch.block_diag(*[u2] * h)  # (h hd) x (h R2): head i's columns read a_i through U2

@@ -234,7 +234,7 @@ class Trawl(Method):
         if s is not None:
             b = unwhiten_factor(s, b).float()
             if not cp and ranks[0] == len(weights):  # slice cores free: M_i = G[i], C = I
-                core, c = torch.einsum("ik,kab->iab", c, core), torch.eye(len(weights))
+                core, c = torch.einsum("ik,kab->iab", c, core), torch.eye(len(weights), device=core.device)
             for i, name in enumerate(weights):
                 if name in shared or plan[name][1] > 1 or (not cp and ranks[0] < len(weights)):
                     continue
