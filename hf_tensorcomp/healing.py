@@ -184,16 +184,25 @@ class RelativeSteps:
         self.base = [p.detach().clone() for p in params]
         self.delta = [torch.zeros_like(p, requires_grad=True) for p in params]
 
+    # both steps as a few multi-tensor (foreach) operations, not a handful of kernels per parameter: on a GPU a
+    # small model's step is bound by kernel launches, and a compressed model has hundreds of small parameters
+
     def grads(self) -> None:
         """δ's gradient from p's (after the backward)."""
-        for p, b, d in zip(self.params, self.base, self.delta):
-            d.grad = None if p.grad is None else p.grad * b.abs()
+        have = [i for i, p in enumerate(self.params) if p.grad is not None]
+        g = torch._foreach_mul([self.params[i].grad for i in have], torch._foreach_abs([self.base[i] for i in have]))
+        for d in self.delta:
+            d.grad = None
+        for i, gi in zip(have, g):
+            self.delta[i].grad = gi
+        for p in self.params:
             p.grad = None
 
     @torch.no_grad()
     def apply(self) -> None:
-        for p, b, d in zip(self.params, self.base, self.delta):
-            p.copy_(b + d * b.abs())
+        step = torch._foreach_mul(self.delta, torch._foreach_abs(self.base))  # δ ⊙ |p₀|
+        torch._foreach_add_(step, self.base)
+        torch._foreach_copy_(self.params, step)
 
 
 def adam_step(opt: torch.optim.Optimizer, loss: torch.Tensor, relative: RelativeSteps | None = None) -> None:
