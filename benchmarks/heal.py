@@ -71,15 +71,15 @@ HEAL_OVERRIDES["qlr_bytes_0.21_b3_all_481w_150s"] = {**HEAL_OVERRIDES["laser0.6_
 # the 150-step LASER 0.6 row with 600 windows sampled from the dense teacher added to the 421 it trains on
 ROWS["laser0.6_481w_150s_gen600"] = ROWS["laser0.6"]
 HEAL_OVERRIDES["laser0.6_481w_150s_gen600"] = {**HEAL_OVERRIDES["laser0.6_481w_150s"], "generated": 600}
-# on a GPU: every window, batches of 8, many more steps (the best iterate by the held-out windows), windows
-# sampled from the teacher beside the real ones for the LASER rows (against over-fitting the 421 real ones)
-GPU_HEAL = {"samples": 481, "batch_size": 8, "eval_every": 100, "precision": "bfloat16"}
-ROWS["laser0.8_gpu_1500s_gen1000"], ROWS["laser0.6_gpu_1500s_gen1000"] = ROWS["laser0.8"], ROWS["laser0.6"]
-ROWS["qlr_bytes_0.27_b3_all_gpu_800s"] = ROWS["qlr_bytes_0.27_b3"]
+# on a GPU: every window, batches of 8, 600 steps (the best iterate by the held-out windows)
 ROWS["laser0.8_gpu_600s"] = ROWS["laser0.8"]
+HEAL_OVERRIDES["laser0.8_gpu_600s"] = {"samples": 481, "batch_size": 8, "steps": 600, "eval_every": 100,
+                                       "precision": "bfloat16"}
 ROWS["laser0.8_481w_300s_wikihow"] = ROWS["laser0.8"]  # the 300-step row again, with the BIG-bench accuracy
 HEAL_OVERRIDES["laser0.8_481w_300s_wikihow"] = HEAL_OVERRIDES["laser0.8_481w_300s"]
-HEAL_OVERRIDES["laser0.8_gpu_600s"] = {**GPU_HEAL, "steps": 600}
+# qlr at int4's bytes (3-bit rungs), scales trained too, every window, 300 steps
+ROWS["qlr_bytes_0.27_b3_all_481w_300s"] = ROWS["qlr_bytes_0.27_b3"]
+HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_300s"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "train": "all"}
 HEAL_OVERRIDES["laser0.8_gpu_1500s_gen1000"] = {**GPU_HEAL, "steps": 1500, "generated": 1000}
 HEAL_OVERRIDES["laser0.6_gpu_1500s_gen1000"] = {**GPU_HEAL, "steps": 1500, "generated": 1000}
 HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_gpu_800s"] = {**GPU_HEAL, "steps": 800, "train": "all"}
