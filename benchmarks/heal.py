@@ -80,9 +80,6 @@ HEAL_OVERRIDES["laser0.8_481w_300s_wikihow"] = HEAL_OVERRIDES["laser0.8_481w_300
 # qlr at int4's bytes (3-bit rungs), scales trained too, every window, 300 steps
 ROWS["qlr_bytes_0.27_b3_all_481w_300s"] = ROWS["qlr_bytes_0.27_b3"]
 HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_300s"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "train": "all"}
-HEAL_OVERRIDES["laser0.8_gpu_1500s_gen1000"] = {**GPU_HEAL, "steps": 1500, "generated": 1000}
-HEAL_OVERRIDES["laser0.6_gpu_1500s_gen1000"] = {**GPU_HEAL, "steps": 1500, "generated": 1000}
-HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_gpu_800s"] = {**GPU_HEAL, "steps": 800, "train": "all"}
 
 
 def _one(job: dict, q) -> None:
