@@ -262,3 +262,20 @@ def test_calibration_tokenizer_accepts_a_path_object_as_well_as_a_string(tiny_wi
     by_path = calibration_tokenizer(None, texts, Path(tiny_with_tokenizer))
     assert calibration_ids(texts, by_path, 2, 4, 0).tolist() == calibration_ids(texts, by_str, 2, 4, 0).tolist()
     assert calibration_ids(texts, by_path, 2, 4, 0).shape == (2, 4)
+
+
+def test_module_stats_move_their_sums_to_the_layers_device_and_keep_the_rows():
+    """The summed statistics (float64, gathered on the host) go where the layer is; the rows stay on the host.
+    ("meta" stands in for an accelerator here: tests/test_gpu.py runs the real thing.)"""
+    from hf_tensorcomp.calibration.stats import ModuleStats
+
+    st = ModuleStats({"gram", "abs_mean", "cross", "inputs"})
+    x = torch.randn(7, 5)
+    st.add(x)
+    st.fisher, st.weight_grad = torch.rand(3), {"weight": torch.rand(3, 5)}
+    want = x.double().T @ x.double()
+    assert torch.allclose(st.gram, want) and st.gram.dtype == torch.float64
+    st.to("meta")
+    for t in (st.gram, st.cross, st.abs_mean, st.fisher, st.weight_grad["weight"]):
+        assert t.device.type == "meta"
+    assert st.inputs.device.type == "cpu" and torch.equal(st.inputs, x)
