@@ -12,13 +12,14 @@ the decoder linears vs bf16, healing time and peak memory. Each row runs in a ch
 
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_main, child_setup, markdown_table, per_model, ppl_both, ratio_plot, run_rows, wikihow  # noqa: E402
+from common import RESULTS, bench_main, child_setup, markdown_table, per_model, ppl_both, ratio_plot, run_rows, wikihow  # noqa: E402
 from quantized import _linear_bytes  # noqa: E402
 
 NAME = "heal"
@@ -129,10 +130,32 @@ def run(cfg: dict) -> list[dict]:
     return run_rows(NAME, ["dense", *cfg["rows"]], cfg["models"], cfg, _one)
 
 
+#: the peers a user would pick instead, from the quantized benchmark (same eval text, same dense model)
+PEERS = ("quanto_int8", "quanto_int4", "gptqmodel4", "gptqmodel4_eora32")
+
+
+def _peers(model: str) -> list[dict]:
+    """`PEERS`' rows for `model` from results/quantized.json, in this report's columns (ratios to that file's dense
+    row, or to a peer's own bf16 reference where it carries one, as quantized.md does)."""
+    path = RESULTS / "quantized.json"
+    rows = [r for r in (json.loads(path.read_text()) if path.exists() else []) if r["model"] == model]
+    dense = next((r for r in rows if r["row"] == "dense"), None)
+    out = []
+    for r in sorted((r for r in rows if r["row"] in PEERS), key=lambda r: r["linear_bytes"]) if dense else []:
+        ref = r.get("dense_ref", dense)
+        t = {"row": f"peer: {r['row']}", "linear_bytes": r["linear_bytes"], "threads": "-"}
+        for c in ("wikipedia", "owt"):
+            t[f"after_{c}"] = r[f"ppl_{c}"] / ref[f"ppl_{c}"]
+        if "wikihow" in r:
+            t["acc"] = f"{dense['wikihow']:.3f} / {r['wikihow']:.3f} ± {r['wikihow_se']:.3f} (n={r['wikihow_n']})"
+        out.append(t)
+    return out
+
+
 def report(rows: list[dict]) -> str:
     out = []
     for model, rs, dense in per_model(rows):
-        table = []
+        table = _peers(model)
         for r in rs:
             if r["row"] == "dense":
                 continue
@@ -147,7 +170,9 @@ def report(rows: list[dict]) -> str:
                 t[f"after_{c}"] = r["ppl"][c] / dense["ppl"][c]
             table.append(t)
         out.append(f"### {model} (dense perplexity: Wikipedia {dense['ppl']['wikipedia']:.2f}, OpenWebText "
-                   f"{dense['ppl']['owt']:.2f})\n")
+                   f"{dense['ppl']['owt']:.2f})\n\n`peer:` rows: the weight-only quantizers a user would pick instead, "
+                   "from `results/quantized.json` (not healed: their perplexity in the healed columns, their "
+                   "accuracy as dense / theirs)\n")
         out.append(markdown_table(table, [
             ("row", "row", "{}"), ("linear_bytes", "linear bytes vs bf16", "{:.3f}"),
             ("before_wikipedia", "Wikipedia before", "{:.3f}x"), ("after_wikipedia", "Wikipedia healed", "{:.3f}x"),
@@ -169,6 +194,9 @@ def plot(rows: list[dict], path: Path) -> None:
                              if key in r and r["row"] != "dense")
                 if pts:
                     ax.plot(*zip(*pts), marker=marker, linestyle=style, label=f"{label} ({corpus})")
+            for peer in _peers(dense["model"]):
+                ax.scatter(peer["linear_bytes"], peer[f"after_{corpus}"], marker=marker, color="black", s=14)
+                ax.annotate(peer["row"][6:], (peer["linear_bytes"], peer[f"after_{corpus}"]), fontsize=5)
 
     ratio_plot(rows, path, draw)
 

@@ -289,7 +289,7 @@ def head_gram(model: nn.Module, head: nn.Module, ids: torch.Tensor, batch_size: 
                     pass
     finally:
         handle.remove()
-    return stats.gram.float().to(head.weight.device)
+    return stats.gram.float()
 
 
 def final_gram(model: nn.Module, runner, final) -> torch.Tensor | None:
@@ -460,6 +460,7 @@ def _table_ladder(model, config, m, entry, runner) -> tuple[str, tuple[list, lis
     if "gram" in m.ladder_needs(entry):
         stats.gram = head_gram(model, head, runner.ids, config.calibration_batch_size)
     stats.fisher = (getattr(runner, "fisher", None) or {}).get(head_name)
+    stats.to(head.weight.device)  # gathered on the host, used beside the table
     ladder = m.ladder(emb_name, head, stats, entry, bits=TABLE_BITS, ranks=(0,), group_size=config.embedding_group_size,
                       copies=copies)
     return emb_name, ladder, params

@@ -203,13 +203,13 @@ class LayerwiseRunner:
             finally:
                 stats = hooks.close()
             self._check_finite(li, out, "")
-            device = next((p.device for p in self.layers[li].parameters()), None)
+            device = next((p.device for p in self.layers[li].parameters()), None)  # the layer ran: not on meta
             for n, st in stats.items():
                 st.kinds = wanted[li][n]
                 st.fisher = self.fisher.get(n)
                 st.weight_grad = self.weight_grad.get(n)
-                if device is not None and device.type not in ("cpu", "meta"):
-                    st.to(device)
+                if device is not None:
+                    st.to(device)  # gathered on the host; a no-op on the CPU
             changed = on_layer(li, stats)
             del stats
             if changed and propagate and (li < last or keep_last):  # the outputs again, from the compressed layer

@@ -110,7 +110,6 @@ def _beside(w: torch.Tensor, *stats):
 def _weighted(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None) -> torch.Tensor:
     """D W S in float64 (S: whitening factor or 1-D scales; either side may be None)."""
     wd = w.detach().double()
-    s, d = _beside(w, s, d)
     if s is not None:
         wd = wd * s if s.ndim == 1 else wd @ s
     if d is not None:
