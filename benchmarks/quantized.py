@@ -107,6 +107,8 @@ ROWS = {  # label -> TensorCompressionConfig fields
     "qlr_bytes_0.27_b48": {"method": "qlr", "target_bytes": 0.27, "bit_choices": [4, 8], "rounds": 1,
                            "allocation": "fisher", "grid": "search", "estimate": "quantizer"},
 }
+# the same allocation on 4x the calibration text (128 windows of 256 tokens instead of 32)
+ROWS["qlr_bytes_0.27_b3_c128"] = {**ROWS["qlr_bytes_0.27_b3"], "calibration_samples": 128}
 
 
 def _linear_bytes(model) -> tuple[int, int]:
@@ -319,9 +321,11 @@ def _one(job: dict, q) -> None:
             fields["embedding_group_size"] = job["group_size"]
         if fields["method"] == "laser":
             fields["targets"] = ["*_proj"]
-        cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", calibration_samples=job["calibration_samples"],
+        samples = fields.pop("calibration_samples", job["calibration_samples"])  # a row may set its own
+        cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", calibration_samples=samples,
                                       calibration_length=job["calibration_length"], **fields)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg)
+        row["calibration_samples"] = samples
         st = model.config.quantization_config.stats
         mods = st["modules"].values()
         row["bits"] = sorted({m["bits"] for m in mods if "bits" in m})
