@@ -81,6 +81,10 @@ HEAL_OVERRIDES["laser0.8_481w_300s_wikihow"] = HEAL_OVERRIDES["laser0.8_481w_300
 # qlr at int4's bytes (3-bit rungs), scales trained too, every window, 300 steps
 ROWS["qlr_bytes_0.27_b3_all_481w_300s"] = ROWS["qlr_bytes_0.27_b3"]
 HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_300s"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "train": "all"}
+# the same, 600 steps (the cosine schedule stretched over twice the steps)
+ROWS["qlr_bytes_0.27_b3_all_481w_600s"] = ROWS["qlr_bytes_0.27_b3"]
+HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_600s"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_300s"], "steps": 600,
+                                                     "eval_every": 100}
 
 
 def _one(job: dict, q) -> None:
