@@ -8,6 +8,7 @@
 from . import assets, hybrid
 from .cache import EinSortCache
 from .config import TensorCompressionConfig
+from .convert import convert_gguf
 from .healing import heal
 from .integration import AutoModelForCausalLM, TensorCompQuantizer, compress
 from .integration.hub import model_card, push_to_hub, write_model_card
@@ -16,5 +17,5 @@ from .streaming import compress_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["TensorCompressionConfig", "compress", "compress_checkpoint", "heal", "EinSortCache", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "model_card",
+__all__ = ["TensorCompressionConfig", "compress", "compress_checkpoint", "convert_gguf", "heal", "EinSortCache", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "model_card",
            "push_to_hub", "write_model_card", "__version__"]

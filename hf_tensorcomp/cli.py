@@ -329,6 +329,17 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_convert_gguf(args) -> int:
+    from .convert import convert_gguf
+
+    r = convert_gguf(args.gguf, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                     progress=True)
+    print(f"wrote {args.out}: {r['tensors']} tensors in {r['shards']} shard(s), {r['bytes'] / 1e9:.2f} GB at {args.dtype}, "
+          f"{r['seconds']} s, peak resident memory {r['peak_rss_mb']:,} MB"
+          + (f"; not parameters of the transformers model, skipped: {r['skipped']}" if r["skipped"] else ""))
+    return 0
+
+
 def cmd_methods(args) -> int:
     from .methods import get_method
 
@@ -452,6 +463,13 @@ def build_parser() -> argparse.ArgumentParser:
     lz.add_argument("--overwrite", action="store_true")
     lz.add_argument("--quiet", action="store_true", help="no progress bars")
     lz.set_defaults(func=cmd_linearize)
+    g = sub.add_parser("convert-gguf", help="convert a GGUF file into a sharded safetensors checkpoint, tensor by tensor")
+    g.add_argument("gguf", help="the .gguf file")
+    g.add_argument("--out", required=True, help="output folder (written atomically)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="default bfloat16")
+    g.add_argument("--max-shard-size", default="2GB", help="bytes per shard, e.g. 2GB, 500MB (default 2GB)")
+    g.add_argument("--overwrite", action="store_true")
+    g.set_defaults(func=cmd_convert_gguf)
     m = sub.add_parser("methods", help="list the methods, their default targets and rank, and their --option keys")
     m.add_argument("name", nargs="?", choices=METHODS, help="one method (default: all)")
     m.set_defaults(func=cmd_methods)

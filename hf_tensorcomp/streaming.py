@@ -406,6 +406,9 @@ def _resolve(src) -> Path:
 
         return Path(model_path(name))
     path = Path(name)
+    if path.is_file() and path.suffix == ".gguf":
+        raise ValueError(f"compress_checkpoint: src: {name}: a GGUF file; allowed: a checkpoint folder — convert it first, "
+                         "tensor by tensor: hf_tensorcomp.convert_gguf(src, folder) (CLI: hf-tensorcomp convert-gguf)")
     if not path.is_dir():
         raise ValueError(f"compress_checkpoint: src: {name}: not a folder; allowed: a local checkpoint folder or "
                          "'smollm2' | 'gemma3' (download a Hub model with huggingface_hub.snapshot_download first)")
