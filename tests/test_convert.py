@@ -53,6 +53,15 @@ def test_streamed_conversion_is_bit_identical_to_transformers_loading(smollm2_f3
             assert f.stat().st_size <= 100e6 + 1e6 or len(list(s.keys())) == 1
 
 
+def test_gemma3_conversion_is_bit_identical_too(tmp_path):
+    """Gemma-3's Q4_K_M / Q6_K blocks, its norms shifted by one (transformers' Gemma processor), a tied table."""
+    out = tmp_path / "gemma3"
+    report = convert_gguf(gguf_path("gemma3"), out, dtype="float32", max_shard_size="400MB", tokenizer=False)
+    got, want = _tensors(out), _tensors(Path(model_path("gemma3")))
+    assert sorted(got) == sorted(want) and report["shards"] >= 2
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_converted_checkpoint_loads_and_generates_like_the_reference(smollm2_f32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
