@@ -74,8 +74,7 @@ def _dequantized(f, tensor, chunk: int = 1 << 24) -> np.ndarray:
 
     shape, dt = tensor.shape, tensor.dtype  # the raw block's shape as the reader maps it
     n_rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-    row = np.empty((1, shape[-1]), dtype=dt)
-    step = max(1, chunk // row.nbytes)
+    step = max(1, chunk // (shape[-1] * np.dtype(dt).itemsize))  # rows a block
     f.seek(tensor.offset)
     out = None
     for start in range(0, n_rows, step):
