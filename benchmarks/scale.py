@@ -72,7 +72,18 @@ def _one(model: str, how: str, out: str, limit_mb: int | None, q) -> None:
     t0 = time.perf_counter()
     try:
         with PeakRSS() as peak:
-            if how.startswith("stream"):  # "stream-disk": the calibration states in files, one batch in memory
+            if how == "gguf-memory":  # transformers' GGUF loading (the whole model de-quantized), then saved
+                from hf_tensorcomp.assets.models import _strip_gguf_quantization, load_gguf
+
+                m, tok = load_gguf(model, dtype=torch.float32)
+                _strip_gguf_quantization(m)
+                m.save_pretrained(out)
+                tok.save_pretrained(out)
+            elif how == "gguf-stream":  # tensor by tensor
+                from hf_tensorcomp.assets.models import gguf_path
+
+                hf_tensorcomp.convert_gguf(gguf_path(model), out, dtype="float32", max_shard_size="100MB")
+            elif how.startswith("stream"):  # "stream-disk": the calibration states in files, one batch in memory
                 report = hf_tensorcomp.compress_checkpoint(src, out, cfg, states_dir=tempfile.mkdtemp() if how == "stream-disk" else None)
                 row.update(seconds_per_layer=report["seconds_per_layer"], bound_mb=report["bound_mb"],
                            layers_peak_mb=report["peak_above_start_mb"], setup_peak_mb=report["setup_peak_above_start_mb"])
@@ -86,7 +97,9 @@ def _one(model: str, how: str, out: str, limit_mb: int | None, q) -> None:
     q.put(row)
 
 
-RUNS = ("memory", "stream", "stream-disk", "memory-table8", "stream-table8")  # and memory / stream under the limit
+RUNS = ("memory", "stream", "stream-disk", "memory-table8", "stream-table8",  # and memory / stream under the limit
+        "gguf-memory", "gguf-stream")  # the GGUF file to a float32 checkpoint: transformers' loading vs convert_gguf
+GROUPS = {"memory": ("stream", "stream-disk"), "memory-table8": ("stream-table8",), "gguf-memory": ("gguf-stream",)}
 
 
 def main() -> None:
@@ -138,15 +151,15 @@ def main() -> None:
         def tensors(how):
             return {k: v for f in Path(outs[how]).glob("*.safetensors") for k, v in load_file(str(f)).items()}
 
-        same = {}
-        for kind, streams in (("", ("stream", "stream-disk")), ("-table8", ("stream-table8",))):
-            if "memory" + kind not in outs:
+        same = {}  # each reference path -> its streamed outputs all identical to it, tensor for tensor
+        for ref, streams in GROUPS.items():
+            if ref not in outs:
                 continue
-            a = tensors("memory" + kind)
-            same[kind] = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-                             for b in map(tensors, (h for h in streams if h in outs)))
+            a = tensors(ref)
+            same[ref] = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                            for b in map(tensors, (h for h in streams if h in outs)))
         for r in rows[-len(runs):]:
-            r["identical"] = same.get("-table8" if r["how"].endswith("-table8") else "")
+            r["identical"] = same.get(next(ref for ref, streams in GROUPS.items() if r["how"] in (ref, *streams)))
             r["bound"] = r.get("bound_mb", {}).get("bound")
     if only is not None:  # merged: the rows run now replace their namesakes
         fresh = {(r["model"], r["how"], r["limit_mb"]) for r in rows}
@@ -171,6 +184,9 @@ def main() -> None:
         "tokenizer alone takes ~330 MB while loaded). stream-disk: `states_dir=` (the calibration hidden states in files, one batch of 8 "
         "samples in memory). -table8: with `embedding_bits=8` (the tied table as 8-bit codes, GPTQ on the head's "
         "inputs; streaming quantizes it a block of rows at a time), compared with its own in-memory run. "
+        "gguf-memory / gguf-stream: the bundled GGUF file to a float32 checkpoint with its tokenizer, by transformers' "
+        "GGUF loading (the whole model de-quantized in memory, then saved) and by `hf_tensorcomp.convert_gguf` (tensor by "
+        "tensor, 100 MB shards). "
         "Written by benchmarks/scale.py.\n\n"
         + md + "\n")
     print(md)
