@@ -109,6 +109,7 @@ ROWS = {  # label -> TensorCompressionConfig fields
 }
 # the same allocation on 4x the calibration text (128 windows of 256 tokens instead of 32)
 ROWS["qlr_bytes_0.27_b3_c128"] = {**ROWS["qlr_bytes_0.27_b3"], "calibration_samples": 128}
+ROWS["qlr_bytes_0.33_b3_c128"] = {**ROWS["qlr_bytes_0.33_b3"], "calibration_samples": 128}
 
 
 def _linear_bytes(model) -> tuple[int, int]:

@@ -150,20 +150,22 @@ def convert_gguf(src, out, dtype="bfloat16", max_shard_size="2GB", overwrite: bo
                 size = 0
             plan[-1].append(t)
             size += nbytes
-        shards, skipped, total, parsed = [], [], 0, {"tensors": {}, "config": config.to_dict()}
+        shards, skipped, total, parsed = [], [], 0, {"tensors": {}, "config": config.to_dict()}  # `parsed`: what transformers' processors read and write
         with atomic_dir(out, overwrite=overwrite) as tmp, open(src, "rb") as f:
             for shard in plan:
                 tensors = {}
                 for t in shard:
                     w = _dequantized(f, t)
                     result = processor.process(weights=w, name=t.name, tensor_key_mapping=names, parsed_parameters=parsed)
+                    if parsed["tensors"]:  # MoE processors merge several GGUF tensors into one parameter
+                        raise ValueError(f"convert_gguf: src: {src.name}: architecture {arch!r} merges GGUF tensors into one "
+                                         "parameter (MoE experts), which this tensor-by-tensor conversion does not do yet; "
+                                         "allowed: a dense architecture (llama, qwen2, gemma3, ...), or transformers' "
+                                         "from_pretrained(folder, gguf_file=...) with enough memory")
                     if result.name in names:
                         tensors[names[result.name]] = torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype)
-                    elif not parsed["tensors"]:
+                    else:
                         skipped.append(t.name)  # not a parameter of the transformers model (e.g. rope factors)
-                    # processors that split one GGUF tensor into several (MoE experts) put them here
-                    tensors.update({k: v.to(dtype) for k, v in parsed["tensors"].items()})
-                    parsed["tensors"].clear()
                     del w, result
                 if tensors:
                     part = tmp / f".part-{len(shards):05d}"
