@@ -150,7 +150,8 @@ def convert_gguf(src, out, dtype="bfloat16", max_shard_size="2GB", overwrite: bo
                 size = 0
             plan[-1].append(t)
             size += nbytes
-        shards, skipped, total, parsed = [], [], 0, {"tensors": {}, "config": config.to_dict()}  # `parsed`: what transformers' processors read and write
+        # `parsed`: what transformers' processors read and write
+        shards, skipped, total, parsed = [], [], 0, {"tensors": {}, "config": config.to_dict()}
         with atomic_dir(out, overwrite=overwrite) as tmp, open(src, "rb") as f:
             for shard in plan:
                 tensors = {}
