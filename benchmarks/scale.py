@@ -72,13 +72,10 @@ def _one(model: str, how: str, out: str, limit_mb: int | None, q) -> None:
     t0 = time.perf_counter()
     try:
         with PeakRSS() as peak:
-            if how == "gguf-memory":  # transformers' GGUF loading (the whole model de-quantized), then saved
-                from hf_tensorcomp.assets.models import _strip_gguf_quantization, load_gguf
+            if how == "gguf-memory":  # the bundled conversion: transformers' GGUF loading (the whole model), then saved
+                from hf_tensorcomp.assets.models import _convert, _spec
 
-                m, tok = load_gguf(model, dtype=torch.float32)
-                _strip_gguf_quantization(m)
-                m.save_pretrained(out)
-                tok.save_pretrained(out)
+                _convert(_spec(model), Path(out))
             elif how == "gguf-stream":  # tensor by tensor
                 from hf_tensorcomp.assets.models import gguf_path
 
