@@ -110,6 +110,11 @@ ROWS = {  # label -> TensorCompressionConfig fields
 # the same allocation on 4x the calibration text (128 windows of 256 tokens instead of 32)
 ROWS["qlr_bytes_0.27_b3_c128"] = {**ROWS["qlr_bytes_0.27_b3"], "calibration_samples": 128}
 ROWS["qlr_bytes_0.33_b3_c128"] = {**ROWS["qlr_bytes_0.33_b3"], "calibration_samples": 128}
+# GPTQ in activation order (static groups): the inputs with the most energy quantized first
+ROWS["gptq4_search_act"] = {**ROWS["gptq4_search"], "act_order": True}
+ROWS["gptq3_search_act"] = {**ROWS["gptq3_search"], "act_order": True}
+for _b in ("0.21", "0.27", "0.33"):
+    ROWS[f"qlr_bytes_{_b}_b3_c128_act"] = {**ROWS[f"qlr_bytes_{_b}_b3"], "calibration_samples": 128, "act_order": True}
 
 
 def _linear_bytes(model) -> tuple[int, int]:

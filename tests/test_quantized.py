@@ -70,6 +70,41 @@ def test_gptq_in_row_blocks_gives_the_codes_of_the_whole_matrix(data, monkeypatc
         assert torch.equal(getattr(whole, k), getattr(blocks, k)), k
 
 
+def _scaled(data):
+    """The test data with inputs of very different energy (what activation order is for)."""
+    w, x = data
+    return w, x * torch.logspace(-1, 1, x.shape[1])[torch.randperm(x.shape[1], generator=torch.Generator().manual_seed(3))]
+
+
+def test_gptq_act_order_keeps_static_grids_and_lowers_the_output_error(data):
+    w, x = _scaled(data)
+    gram = x.T @ x
+    plain = quantize_gptq(w, gram, 3, 64, grid="search")
+    act = quantize_gptq(w, gram, 3, 64, grid="search", act_order=True)
+    rtn = quantize_rtn(w, 3, 64, grid="search")
+    assert torch.equal(act.scale, rtn.scale) and torch.equal(act.zero, rtn.zero)  # grids of the original weights
+    err = {k: float(((w - q.dequantize()) @ x.T).norm()) for k, q in (("plain", plain), ("act", act), ("rtn", rtn))}
+    assert err["act"] < err["plain"] < err["rtn"]
+
+
+def test_gptq_act_order_codes_come_back_in_the_original_column_order(data, monkeypatch):
+    """Swapping two whole groups of inputs swaps their codes and nothing else (the order is the Gram
+    diagonal's, so a method that left the codes in quantization order would give the same codes twice);
+    row blocks change no code."""
+    from hf_tensorcomp.decompositions import quantize as qmod
+
+    w, x = _scaled(data)
+    p = torch.cat([torch.arange(64, 128), torch.arange(64)])
+    a = quantize_gptq(w, x.T @ x, 4, 64, act_order=True)
+    b = quantize_gptq(w[:, p], (x.T @ x)[p][:, p], 4, 64, act_order=True)
+    assert torch.equal(a.codes.view(48, 128)[:, p], b.codes.view(48, 128))
+    assert not torch.equal(a.codes, b.codes)
+    monkeypatch.setattr(qmod, "GPTQ_BLOCK_BYTES", 8 * w.shape[1] * 5)
+    assert torch.equal(quantize_gptq(w, x.T @ x, 4, 64, act_order=True).codes, a.codes)
+    with pytest.raises(ValueError, match="act_order"):
+        quantize_gptq(w, None, 4, 64, inverse=torch.eye(128), act_order=True)
+
+
 def _qlr(tiny_dirs, **kw):
     cfg = TensorCompressionConfig(method="qlr", calibration=calib(), progress=False, **{"group_size": 16, **kw})
     return AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg).eval()
@@ -209,6 +244,8 @@ def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):
     ({"method": "qlr", "rank": 8, "grid": "mse", "calibration": "wikipedia"}, "grid"),
     ({"method": "qlr", "target_bytes": 0.3, "estimate": "gptq", "calibration": "wikipedia"}, "estimate"),
     ({"method": "qlr", "bit_choices": [3, 4], "calibration": "wikipedia"}, "bit_choices"),  # needs target_bytes
+    ({"method": "qlr", "rank": 8, "act_order": "yes", "calibration": "wikipedia"}, "act_order"),
+    ({"method": "qlr", "rank": 8, "act_order": True, "quantizer": "rtn", "calibration": "wikipedia"}, "act_order"),
     ({"method": "qlr", "target_bytes": 0.3, "bit_choices": [4, 5], "calibration": "wikipedia"}, "bit_choices"),
 ])
 def test_bad_quantization_settings_name_the_field(kw, field):

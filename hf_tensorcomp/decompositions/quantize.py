@@ -149,7 +149,7 @@ def gptq_inverse(gram: torch.Tensor, damping: float = 0.01) -> torch.Tensor:
 
 
 def quantize_gptq(w: torch.Tensor, gram: torch.Tensor | None, bits: int, group_size: int, damping: float = 0.01,
-                  grid: str = "minmax", inverse: torch.Tensor | None = None) -> QTensor:
+                  grid: str = "minmax", inverse: torch.Tensor | None = None, act_order: bool = False) -> QTensor:
     """GPTQ: quantize the columns of ``w`` (out x in) in order, spreading each column's rounding error
     over the columns not yet quantized so that ‖(W - Q) Xᵀ‖ stays small (``gram`` = XᵀX, in x in).
 
@@ -159,25 +159,51 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor | None, bits: int, group_s
     error spreads along a row), so the rows are worked on a block at a time (``GPTQ_BLOCK_BYTES`` of them
     in float64): an embedding table of 262k rows costs a block's working memory, not the table's five times.
     `inverse`: `gptq_inverse` of the Gram, computed once by a caller quantizing one matrix in several calls.
+
+    ``act_order=True`` (GPTQ's "activation order" with static groups): the columns are quantized in the
+    order of decreasing Gram diagonal (the inputs with the most energy first, while the most columns
+    remain to absorb their error), each group's grid taken from the original weights before any update
+    (groups stay contiguous in the stored layout, so the format and kernels do not change).
     """
     if bits not in BITS:
         raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
     out_f, in_f = w.shape
+    static = perm = None
+    if act_order:
+        if inverse is not None:
+            raise ValueError("act_order=True computes the inverse of the permuted Gram itself; pass gram=, not inverse=")
+        perm = torch.argsort(gram.diagonal().to(w.device), descending=True, stable=True)
+        gram = gram.to(w.device)[perm][:, perm]
     Hinv = (gptq_inverse(gram.to(w.device), damping) if inverse is None else inverse).to(w.device)
     step = max(1, GPTQ_BLOCK_BYTES // (8 * in_f))
-    parts = [_gptq_rows(w[r0: r0 + step], Hinv, bits, group_size, grid) for r0 in range(0, out_f, step)]
+    parts = []
+    for r0 in range(0, out_f, step):
+        rows = w[r0: r0 + step]
+        if act_order:
+            static = grid_for(_groups(rows.detach().float(), group_size), bits, grid)
+            static = tuple(t.view(rows.shape[0], -1).double() for t in static)
+        parts.append(_gptq_rows(rows, Hinv, bits, group_size, grid, static, perm))
     codes, scales, zeros = (torch.cat([p[k] for p in parts]) for k in range(3))
     return QTensor(codes.reshape(-1), scales.reshape(-1), zeros.reshape(-1), bits, group_size, (out_f, in_f))
 
 
-def _gptq_rows(w: torch.Tensor, Hinv: torch.Tensor, bits: int, group_size: int, grid: str):
-    """`quantize_gptq` on a block of rows, given the upper Cholesky factor of the damped inverse Gram:
-    (codes uint8, scales float16, zero points uint8), each (rows, ...)."""
+def _gptq_rows(w: torch.Tensor, Hinv: torch.Tensor, bits: int, group_size: int, grid: str,
+               static: tuple | None = None, perm: torch.Tensor | None = None):
+    """`quantize_gptq` on a block of rows, given the upper Cholesky factor of the damped inverse Gram
+    (of the permuted Gram, with `perm`): (codes uint8, scales float16, zero points uint8), each (rows, ...).
+    `static`: (scales, zeros) per (row, group) fixed beforehand (act order); `perm`: the order the columns
+    are quantized in (codes come back in the original order)."""
     out_f, in_f = w.shape
     W = w.detach().double().clone()
+    if perm is not None:
+        W = W[:, perm]
+    group = (perm if perm is not None else torch.arange(in_f, device=W.device)) // group_size  # each column's group
     codes = torch.zeros_like(W)
-    scales = torch.zeros(out_f, -(-in_f // group_size), dtype=torch.float64, device=W.device)
-    zeros = torch.zeros_like(scales)
+    if static is not None:
+        scales, zeros = static
+    else:
+        scales = torch.zeros(out_f, -(-in_f // group_size), dtype=torch.float64, device=W.device)
+        zeros = torch.zeros_like(scales)
     block = group_size * max(1, 128 // group_size)  # whole groups per block: a group's grid sees its updated weights
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
@@ -185,11 +211,10 @@ def _gptq_rows(w: torch.Tensor, Hinv: torch.Tensor, bits: int, group_size: int, 
         Err1 = torch.zeros_like(W1)
         for i in range(i2 - i1):
             col = i1 + i
-            if col % group_size == 0:
-                g = col // group_size
+            g = int(group[col])
+            if static is None and col % group_size == 0:
                 s, z = grid_for(W1[:, i:i + group_size].float(), bits, grid)
                 scales[:, g], zeros[:, g] = s.double(), z.double()
-            g = col // group_size
             s, z = scales[:, g], zeros[:, g]
             q = (W1[:, i] / s).round().add(z).clamp(0, 2**bits - 1)
             codes[:, col] = q
@@ -197,6 +222,8 @@ def _gptq_rows(w: torch.Tensor, Hinv: torch.Tensor, bits: int, group_size: int, 
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    if perm is not None:
+        codes = torch.empty_like(codes).index_copy_(1, perm, codes)
     return codes.to(torch.uint8), scales.half(), zeros.to(torch.uint8)
 
 

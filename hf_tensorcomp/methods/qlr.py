@@ -60,7 +60,7 @@ class QuantizedLowRank(Method):
     remedy = "more bits or a larger rank (check the weight: a quantized finite weight is never worse than zeros)"
     option_defaults = {"bits": 4, "quantizer": "gptq", "whiten": True, "rounds": 2, "damping": 1e-4,
                        "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative", "grid": "search",
-                       "estimate": "rtn", "bit_choices": None}
+                       "estimate": "rtn", "bit_choices": None, "act_order": False}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -77,6 +77,10 @@ class QuantizedLowRank(Method):
                 fail(key, o[key], "a number in [0, 10]")
         if o["grid"] not in GRIDS:
             fail("grid", o["grid"], choices(GRIDS) + " (each group's range: min-max, or the clipping with the least error)")
+        if not isinstance(o["act_order"], bool):
+            fail("act_order", o["act_order"], "True (GPTQ quantizes the inputs with the most energy first, static groups) | False")
+        if o["act_order"] and o["quantizer"] != "gptq":
+            fail("act_order", True, "False with quantizer='rtn' (only GPTQ has an order), or quantizer='gptq'")
         if o["estimate"] not in ESTIMATES:
             fail("estimate", o["estimate"], choices(ESTIMATES) + " (how target_bytes' rungs are scored: round to nearest, "
                  "or the quantizer itself)")
@@ -135,7 +139,7 @@ class QuantizedLowRank(Method):
         ``estimate="quantizer"``."""
         o, g = entry.options, group_size or entry.group_size
         if o["quantizer"] == "gptq" and not (estimating and o["estimate"] == "rtn"):
-            return quantize_gptq(w, stats.gram, bits, g, o["gptq_damping"], o["grid"])
+            return quantize_gptq(w, stats.gram, bits, g, o["gptq_damping"], o["grid"], act_order=o["act_order"])
         return quantize_rtn(w, bits, g, o["grid"])
 
     def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s) -> tuple:
