@@ -245,7 +245,6 @@ def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):
     ({"method": "qlr", "target_bytes": 0.3, "estimate": "gptq", "calibration": "wikipedia"}, "estimate"),
     ({"method": "qlr", "bit_choices": [3, 4], "calibration": "wikipedia"}, "bit_choices"),  # needs target_bytes
     ({"method": "qlr", "rank": 8, "act_order": "yes", "calibration": "wikipedia"}, "act_order"),
-    ({"method": "qlr", "rank": 8, "act_order": True, "quantizer": "rtn", "calibration": "wikipedia"}, "act_order"),
     ({"method": "qlr", "target_bytes": 0.3, "bit_choices": [4, 5], "calibration": "wikipedia"}, "bit_choices"),
 ])
 def test_bad_quantization_settings_name_the_field(kw, field):

@@ -3,7 +3,9 @@
 Per matrix (EoRA / QERA, with LQ-LoRA's and CALDERA's alternation):
 
 1. Q = the quantizer's codes of W: ``quantizer="gptq"`` (default; error-compensating, reads the
-   layer's input Gram XᵀX) or ``"rtn"`` (round to nearest, data-free), ``bits`` per value in groups
+   layer's input Gram XᵀX; ``act_order=True``, default: the inputs with the most energy first, each
+   group's grid fixed from the original weights) or ``"rtn"`` (round to nearest, data-free; no order,
+   ``act_order`` ignored), ``bits`` per value in groups
    of ``group_size`` with a float16 scale and an integer zero point (`decompositions.quantize`); each
    group's range is the shrunk range with the least round-trip error (``grid="search"``, default;
    GPTQ's reference "mse" grid: a few clipped outliers buy a finer step) or its min-max (``"minmax"``).
@@ -60,7 +62,7 @@ class QuantizedLowRank(Method):
     remedy = "more bits or a larger rank (check the weight: a quantized finite weight is never worse than zeros)"
     option_defaults = {"bits": 4, "quantizer": "gptq", "whiten": True, "rounds": 2, "damping": 1e-4,
                        "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative", "grid": "search",
-                       "estimate": "rtn", "bit_choices": None, "act_order": False}
+                       "estimate": "rtn", "bit_choices": None, "act_order": True}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -79,8 +81,6 @@ class QuantizedLowRank(Method):
             fail("grid", o["grid"], choices(GRIDS) + " (each group's range: min-max, or the clipping with the least error)")
         if not isinstance(o["act_order"], bool):
             fail("act_order", o["act_order"], "True (GPTQ quantizes the inputs with the most energy first, static groups) | False")
-        if o["act_order"] and o["quantizer"] != "gptq":
-            fail("act_order", True, "False with quantizer='rtn' (only GPTQ has an order), or quantizer='gptq'")
         if o["estimate"] not in ESTIMATES:
             fail("estimate", o["estimate"], choices(ESTIMATES) + " (how target_bytes' rungs are scored: round to nearest, "
                  "or the quantizer itself)")
