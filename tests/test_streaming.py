@@ -64,7 +64,11 @@ def test_streaming_quantizes_the_embedding_table_as_in_memory(sharded, tmp_path,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "model.embed_tokens.weight_scale" in a and ("lm_head.weight_scale" in a) == (arch == "qwen3")
     tables = {k: v for k, v in report["stats"]["modules"].items() if v["method"] == "embedding"}
-    assert tables == {k: v for k, v in memory.config.quantization_config.stats["modules"].items() if v["method"] == "embedding"}
+    want = {k: v for k, v in memory.config.quantization_config.stats["modules"].items() if v["method"] == "embedding"}
+    # the same codes (above); while streaming the error is summed a block of rows at a time, so its last bit may
+    # differ and round (to 6 decimals) the other way
+    err = {k: (v.pop("rel_error"), want[k].pop("rel_error")) for k, v in tables.items()}
+    assert tables == want and all(a == pytest.approx(b, abs=1.5e-6) for a, b in err.values()), err
     assert tables["model.embed_tokens"]["quantizer"] == ("gptq" if "calibration" in kw and arch != "qwen3" else "rtn")
     if "target_bytes" in kw:
         assert report["stats"]["allocation"] == memory.config.quantization_config.stats["allocation"]
@@ -78,7 +82,8 @@ HEAL = {"mode": "layerwise", "layer_steps": 8, "samples": 8, "batch_size": 2}
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("kw, heal", [
     (dict(method="laser", rank=1, calibration=CAL), {"lr": 1e-2}),  # no statistics: no calibration runner
-    (dict(method="qlr", bits=2, rank=2, group_size=16, calibration=CAL), {"lr": 3e-3, "train": "all"}),  # scales too
+    # scales too; GPTQ in column order, which leaves this tiny model something for healing to improve
+    (dict(method="qlr", bits=2, rank=2, group_size=16, calibration=CAL, act_order=False), {"lr": 3e-3, "train": "all"}),
 ])
 def test_streaming_heals_each_layer_as_layerwise_healing_after_in_memory_compression(sharded, tmp_path, arch, kw, heal,
                                                                                      ids):

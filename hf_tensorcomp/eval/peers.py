@@ -7,6 +7,8 @@ must); activations stay in float.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -20,6 +22,10 @@ def quanto_weight_only(model: nn.Module, bits: int) -> nn.Module:
     ("Cannot set version_counter for inference tensor"), and perplexity and generate use it."""
     if bits not in QUANTO_BITS:
         raise ValueError(f"quanto_weight_only: bits: got {bits!r}; allowed: 8 | 4")
+    # quanto imports torch's cpp_extension, which imports setuptools; in a process where the standard library's
+    # distutils was imported first, setuptools' distutils override then fails an assertion (seen once in the
+    # test suite): keep the standard library's, which quanto's CPU path never uses
+    os.environ.setdefault("SETUPTOOLS_USE_DISTUTILS", "stdlib")
     try:
         from optimum import quanto
     except ImportError:
