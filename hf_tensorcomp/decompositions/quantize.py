@@ -170,8 +170,9 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor | None, bits: int, group_s
     out_f, in_f = w.shape
     static = perm = None
     if act_order:
-        if inverse is not None:
-            raise ValueError("act_order=True computes the inverse of the permuted Gram itself; pass gram=, not inverse=")
+        if inverse is not None or gram is None:
+            raise ValueError("act_order=True orders the inputs by the Gram and inverts the permuted Gram itself; "
+                             "pass gram=, not inverse=")
         perm = torch.argsort(gram.diagonal().to(w.device), descending=True, stable=True)
         gram = gram.to(w.device)[perm][:, perm]
     Hinv = (gptq_inverse(gram.to(w.device), damping) if inverse is None else inverse).to(w.device)
