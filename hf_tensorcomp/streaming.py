@@ -321,12 +321,13 @@ class LayerStream:
 
     def quantize_table(self, bits: int, group_size: int, gram: torch.Tensor | None) -> dict:
         """``embedding_bits`` while streaming: the input embedding (and an untied head) quantized as
-        `hf_tensorcomp.pipeline.quantize_embeddings` does in memory — GPTQ on the head inputs' `gram` for the
-        table the head multiplies by, round to nearest for an untied embedding or without calibration — but
+        `hf_tensorcomp.pipeline.quantize_embeddings` does in memory — GPTQ (activation order) on the head
+        inputs' `gram` for the table the head multiplies by, round to nearest for an untied embedding or
+        without calibration — but
         read from the source, quantized and written to their own shard a block of rows at a time (GPTQ and
         round to nearest treat each row on its own, so the blocks give the whole table's codes). The
         skeleton's modules become the quantized ones, on the meta device. Returns their stats."""
-        from .decompositions.quantize import code_bytes, gptq_inverse, n_groups, pack, quantize_gptq, quantize_rtn
+        from .decompositions.quantize import code_bytes, gptq_plan, n_groups, pack, quantize_gptq, quantize_rtn
         from .layout import embedding_names
         from .pipeline import install_tables, table_stats
 
@@ -336,7 +337,7 @@ class LayerStream:
         head = self.model.get_submodule(head_name) if head_name else None
         tied = head is not None and head.weight is emb.weight
         gptq = "gptq" if gram is not None else "rtn"
-        inverse = gptq_inverse(gram.to(self.device)) if gram is not None else None  # once, for every block
+        plan = gptq_plan(gram.to(self.device), act_order=True) if gram is not None else None  # once, for every block
         tables = [(emb_name, gptq if tied else "rtn")] + ([(head_name, gptq)] if head is not None and not tied else [])
         layout, offset = [], 0  # (module, quantizer, rows, cols, offsets of codes / scales / zeros in the data)
         header = {"__metadata__": {"format": "pt"}}
@@ -360,7 +361,7 @@ class LayerStream:
                 err = ref = 0.0
                 for r0 in range(0, rows, step):
                     w = self.shards.block(f"{name}.weight", r0, min(r0 + step, rows)).to(self.device, self.dtype)
-                    q = quantize_gptq(w.float(), None, bits, group_size, inverse=inverse) if quantizer == "gptq" else \
+                    q = quantize_gptq(w.float(), None, bits, group_size, plan=plan) if quantizer == "gptq" else \
                         quantize_rtn(w, bits, group_size)
                     for suffix, data, at in (("", pack(q.codes[: w.numel()], bits), r0 * cols * bits // 8),
                                              ("_scale", q.scale.view(torch.uint8), r0 * per_row * 2),

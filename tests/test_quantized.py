@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_tensorcomp
 from hf_tensorcomp import TensorCompressionConfig
-from hf_tensorcomp.decompositions.quantize import (Int4Kernel, int4_kernel_available, pack, quantize_gptq, quantize_rtn,
+from hf_tensorcomp.decompositions.quantize import (Int4Kernel, gptq_plan, int4_kernel_available, pack, quantize_gptq, quantize_rtn,
                                                   stored_bytes, unpack)
 from hf_tensorcomp.decompositions.svd import whitened_svd, whitening_factor
 from hf_tensorcomp.layers import QuantizedLowRankLinear
@@ -101,8 +101,10 @@ def test_gptq_act_order_codes_come_back_in_the_original_column_order(data, monke
     assert not torch.equal(a.codes, b.codes)
     monkeypatch.setattr(qmod, "GPTQ_BLOCK_BYTES", 8 * w.shape[1] * 5)
     assert torch.equal(quantize_gptq(w, x.T @ x, 4, 64, act_order=True).codes, a.codes)
-    with pytest.raises(ValueError, match="act_order"):
-        quantize_gptq(w, None, 4, 64, inverse=torch.eye(128), act_order=True)
+    halves = [quantize_gptq(w[r], None, 4, 64, plan=gptq_plan(x.T @ x, act_order=True)) for r in (slice(0, 20), slice(20, None))]
+    assert torch.equal(torch.cat([q.codes for q in halves]), a.codes)  # a plan computed once, rows quantized apart
+    with pytest.raises(ValueError, match="gram"):
+        quantize_gptq(w, None, 4, 64)
 
 
 def _qlr(tiny_dirs, **kw):
@@ -423,6 +425,9 @@ def test_with_calibration_the_tied_table_is_gptq_on_the_heads_inputs(tiny_dirs):
 
     rtn = quantize_rtn(w, 4, 16).dequantize()
     assert out_err(m.get_input_embeddings().weight) < 0.9 * out_err(rtn)
+    act = quantize_gptq(w.float(), gram.float(), 4, 16, act_order=True).dequantize()  # in activation order
+    col = quantize_gptq(w.float(), gram.float(), 4, 16).dequantize()
+    assert torch.allclose(m.get_input_embeddings().weight, act) and not torch.allclose(act, col)
 
 
 def test_embedding_step_checks_calibration_ids_against_the_vocabulary(tiny_dirs):

@@ -148,8 +148,16 @@ def gptq_inverse(gram: torch.Tensor, damping: float = 0.01) -> torch.Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
 
+def gptq_plan(gram: torch.Tensor, damping: float = 0.01, act_order: bool = False):
+    """What GPTQ needs of the Gram, computed once for a matrix quantized in several calls (a table a block of
+    rows at a time): (the upper Cholesky factor of the damped inverse of the Gram in the order the columns
+    are quantized, that order — None for column order, else the inputs by decreasing Gram diagonal)."""
+    perm = torch.argsort(gram.diagonal(), descending=True, stable=True) if act_order else None
+    return gptq_inverse(gram if perm is None else gram[perm][:, perm], damping), perm
+
+
 def quantize_gptq(w: torch.Tensor, gram: torch.Tensor | None, bits: int, group_size: int, damping: float = 0.01,
-                  grid: str = "minmax", inverse: torch.Tensor | None = None, act_order: bool = False) -> QTensor:
+                  grid: str = "minmax", act_order: bool = False, plan: tuple | None = None) -> QTensor:
     """GPTQ: quantize the columns of ``w`` (out x in) in order, spreading each column's rounding error
     over the columns not yet quantized so that ‖(W - Q) Xᵀ‖ stays small (``gram`` = XᵀX, in x in).
 
@@ -158,29 +166,26 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor | None, bits: int, group_s
     get a unit diagonal and their weights are quantized as they are. Every row is quantized on its own (the
     error spreads along a row), so the rows are worked on a block at a time (``GPTQ_BLOCK_BYTES`` of them
     in float64): an embedding table of 262k rows costs a block's working memory, not the table's five times.
-    `inverse`: `gptq_inverse` of the Gram, computed once by a caller quantizing one matrix in several calls.
 
     ``act_order=True`` (GPTQ's "activation order" with static groups): the columns are quantized in the
     order of decreasing Gram diagonal (the inputs with the most energy first, while the most columns
     remain to absorb their error), each group's grid taken from the original weights before any update
     (groups stay contiguous in the stored layout, so the format and kernels do not change).
+    `plan`: `gptq_plan(gram, damping, act_order)`, given by a caller quantizing one matrix in several calls
+    (``gram``, ``damping`` and ``act_order`` are then the plan's and not read).
     """
     if bits not in BITS:
         raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
+    if plan is None and gram is None:
+        raise ValueError("quantize_gptq: gram: got None; allowed: the inputs' Gram XᵀX (in x in), or plan=gptq_plan(gram)")
     out_f, in_f = w.shape
-    static = perm = None
-    if act_order:
-        if inverse is not None or gram is None:
-            raise ValueError("act_order=True orders the inputs by the Gram and inverts the permuted Gram itself; "
-                             "pass gram=, not inverse=")
-        perm = torch.argsort(gram.diagonal().to(w.device), descending=True, stable=True)
-        gram = gram.to(w.device)[perm][:, perm]
-    Hinv = (gptq_inverse(gram.to(w.device), damping) if inverse is None else inverse).to(w.device)
+    Hinv, perm = plan if plan is not None else gptq_plan(gram.to(w.device), damping, act_order)
+    Hinv, perm = Hinv.to(w.device), None if perm is None else perm.to(w.device)
     step = max(1, GPTQ_BLOCK_BYTES // (8 * in_f))
-    parts = []
+    parts, static = [], None
     for r0 in range(0, out_f, step):
         rows = w[r0: r0 + step]
-        if act_order:
+        if perm is not None:
             static = grid_for(_groups(rows.detach().float(), group_size), bits, grid)
             static = tuple(t.view(rows.shape[0], -1).double() for t in static)
         parts.append(_gptq_rows(rows, Hinv, bits, group_size, grid, static, perm))
