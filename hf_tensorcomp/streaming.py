@@ -323,10 +323,10 @@ class LayerStream:
         """``embedding_bits`` while streaming: the input embedding (and an untied head) quantized as
         `hf_tensorcomp.pipeline.quantize_embeddings` does in memory — GPTQ (activation order) on the head
         inputs' `gram` for the table the head multiplies by, round to nearest for an untied embedding or
-        without calibration — but
-        read from the source, quantized and written to their own shard a block of rows at a time (GPTQ and
-        round to nearest treat each row on its own, so the blocks give the whole table's codes). The
-        skeleton's modules become the quantized ones, on the meta device. Returns their stats."""
+        without calibration — but read from the source, quantized and written to their own shard a block of
+        rows at a time (GPTQ and round to nearest treat each row on its own, so the blocks give the whole
+        table's codes). The skeleton's modules become the quantized ones, on the meta device. Returns their
+        stats."""
         from .decompositions.quantize import code_bytes, gptq_plan, n_groups, pack, quantize_gptq, quantize_rtn
         from .layout import embedding_names
         from .pipeline import install_tables, table_stats
