@@ -86,7 +86,7 @@ ROWS["qlr_bytes_0.27_b3_all_481w_600s"] = ROWS["qlr_bytes_0.27_b3"]
 HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_600s"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_300s"], "steps": 600,
                                                      "eval_every": 100}
 # the 300-step row again on the activation-order GPTQ model (the qlr default); precision "auto": bfloat16
-# autocast only where the CPU multiplies bfloat16 natively (forced on an AVX2-only CPU, a step took ~10x longer)
+# autocast only where the CPU multiplies bfloat16 natively (forced on an AVX2-only CPU, a step took over 6x longer)
 ROWS["qlr_bytes_0.27_b3_act_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b3"], "act_order": True}
 HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_300s"],
                                                          "precision": "auto"}
