@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_tensorcomp
 from hf_tensorcomp import TensorCompressionConfig
-from hf_tensorcomp.decompositions.quantize import (Int4Kernel, gptq_plan, int4_kernel_available, pack, quantize_gptq, quantize_rtn,
-                                                  stored_bytes, unpack)
+from hf_tensorcomp.decompositions.quantize import (Int4Kernel, gptq_plan, int4_kernel_available, pack, quantize_gptq,
+                                                  quantize_rtn, stored_bytes, unpack)
 from hf_tensorcomp.decompositions.svd import whitened_svd, whitening_factor
 from hf_tensorcomp.layers import QuantizedLowRankLinear
 from tiny import VOCAB
@@ -101,7 +101,8 @@ def test_gptq_act_order_codes_come_back_in_the_original_column_order(data, monke
     assert not torch.equal(a.codes, b.codes)
     monkeypatch.setattr(qmod, "GPTQ_BLOCK_BYTES", 8 * w.shape[1] * 5)
     assert torch.equal(quantize_gptq(w, x.T @ x, 4, 64, act_order=True).codes, a.codes)
-    halves = [quantize_gptq(w[r], None, 4, 64, plan=gptq_plan(x.T @ x, act_order=True)) for r in (slice(0, 20), slice(20, None))]
+    plan = gptq_plan(x.T @ x, act_order=True)
+    halves = [quantize_gptq(w[r], None, 4, 64, plan=plan) for r in (slice(0, 20), slice(20, None))]
     assert torch.equal(torch.cat([q.codes for q in halves]), a.codes)  # a plan computed once, rows quantized apart
     with pytest.raises(ValueError, match="gram"):
         quantize_gptq(w, None, 4, 64)
