@@ -314,6 +314,16 @@ def final_gram(model: nn.Module, runner, final) -> torch.Tensor | None:
     return stats.gram.float()
 
 
+def table_plan(gram: torch.Tensor) -> tuple:
+    """The GPTQ plan (`gptq_plan`: damped inverse and column order) the table a head multiplies by is
+    quantized with: activation order on the Gram of the head's inputs. The one place the in-memory
+    (`quantize_embeddings`) and the streamed (`LayerStream.quantize_table`) tables take it from, so the two
+    stay bit-identical."""
+    from .decompositions.quantize import gptq_plan
+
+    return gptq_plan(gram, act_order=True)
+
+
 def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch.Tensor | None = None,
                         batch_size: int = 8) -> dict:
     """The input embedding and the output head stored as `bits`-bit codes in groups of `group_size` along
@@ -336,7 +346,7 @@ def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch
     quantizer = "gptq" if gram is not None else "rtn"
 
     def q(w):
-        return quantize_gptq(w.detach().float(), gram, bits, group_size, act_order=True) if gram is not None else None
+        return quantize_gptq(w.detach().float(), None, bits, group_size, plan=table_plan(gram)) if gram is not None else None
 
     def err(ref, approx):
         ref, approx = ref.detach().float(), approx.detach().float()

@@ -327,9 +327,9 @@ class LayerStream:
         rows at a time (GPTQ and round to nearest treat each row on its own, so the blocks give the whole
         table's codes). The skeleton's modules become the quantized ones, on the meta device. Returns their
         stats."""
-        from .decompositions.quantize import code_bytes, gptq_plan, n_groups, pack, quantize_gptq, quantize_rtn
+        from .decompositions.quantize import code_bytes, n_groups, pack, quantize_gptq, quantize_rtn
         from .layout import embedding_names
-        from .pipeline import install_tables, table_stats
+        from .pipeline import install_tables, table_plan, table_stats
 
         emb_name, head_name = embedding_names(self.model)
         emb = self.model.get_submodule(emb_name)
@@ -337,7 +337,7 @@ class LayerStream:
         head = self.model.get_submodule(head_name) if head_name else None
         tied = head is not None and head.weight is emb.weight
         gptq = "gptq" if gram is not None else "rtn"
-        plan = gptq_plan(gram.to(self.device), act_order=True) if gram is not None else None  # once, for every block
+        plan = table_plan(gram.to(self.device)) if gram is not None else None  # once, for every block
         tables = [(emb_name, gptq if tied else "rtn")] + ([(head_name, gptq)] if head is not None and not tied else [])
         layout, offset = [], 0  # (module, quantizer, rows, cols, offsets of codes / scales / zeros in the data)
         header = {"__metadata__": {"format": "pt"}}
