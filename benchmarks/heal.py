@@ -41,7 +41,7 @@ ROWS = {
     "qlr_bytes_0.27": {"method": "qlr", "target_bytes": 0.27, "group_size": 128, "grid": "minmax", "act_order": False, "bit_choices": [2, 4, 8]},
     # the quantized benchmark's best allocation at int4's bytes (3-bit rungs, Fisher, searched ranges, GPTQ estimates)
     "qlr_bytes_0.27_b3": {"method": "qlr", "target_bytes": 0.27, "group_size": 128, "rounds": 1, "allocation": "fisher",
-                          "grid": "search", "estimate": "quantizer", "act_order": False},
+                          "grid": "search", "estimate": "quantizer", "act_order": False, "bit_choices": [2, 3, 4, 8]},
     "qlr4_r32": {"method": "qlr", "bits": 4, "group_size": 128, "rank": 32, "grid": "minmax", "act_order": False},  # the README's main job
     # the attention's q,k,v,o at 0.8 of their parameters, whitened (the calibrated benchmark's best settings)
     "tensorllm_attn0.8": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "target": 0.8},

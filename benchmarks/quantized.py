@@ -107,10 +107,13 @@ ROWS = {  # label -> TensorCompressionConfig fields
     "qlr_bytes_0.27_b48": {"method": "qlr", "target_bytes": 0.27, "bit_choices": [4, 8], "rounds": 1,
                            "allocation": "fisher", "grid": "search", "estimate": "quantizer"},
 }
-# the rows above were measured with GPTQ in column order (before act_order became qlr's default)
+# the rows above were measured with GPTQ in column order (before act_order became qlr's default) and with
+# the 2-, 3-, 4- and 8-bit rungs (before 5 and 6 bits joined the default ladder)
 for _f in ROWS.values():
     if _f["method"] == "qlr":
         _f.setdefault("act_order", False)
+        if "target_bytes" in _f:
+            _f.setdefault("bit_choices", [2, 3, 4, 8])
 # the same allocation on 4x the calibration text (128 windows of 256 tokens instead of 32)
 ROWS["qlr_bytes_0.27_b3_c128"] = {**ROWS["qlr_bytes_0.27_b3"], "calibration_samples": 128}
 ROWS["qlr_bytes_0.33_b3_c128"] = {**ROWS["qlr_bytes_0.33_b3"], "calibration_samples": 128}
@@ -121,6 +124,11 @@ for _b in ("0.21", "0.27", "0.33"):
     ROWS[f"qlr_bytes_{_b}_b3_c128_act"] = {**ROWS[f"qlr_bytes_{_b}_b3"], "calibration_samples": 128, "act_order": True}
 for _r in ("qlr_bytes_0.21_b348", "qlr_bytes_0.27_b48", "qlr_bytes_0.33_b3", "qlr_bytes_0.40_b3", "qlr4_r32_search"):
     ROWS[f"{_r}_act"] = {**ROWS[_r], "act_order": True}
+# 5- and 6-bit codes: alone (GPTQ, activation order) and as rungs of the byte allocation (every width)
+for _b in (5, 6):
+    ROWS[f"gptq{_b}_search_act"] = {**ROWS["gptq4_search"], "bits": _b, "act_order": True}
+for _b in ("0.27", "0.33", "0.40"):
+    ROWS[f"qlr_bytes_{_b}_b56_act"] = {**ROWS[f"qlr_bytes_{_b}_b3"], "act_order": True, "bit_choices": None}
 
 
 def _linear_bytes(model) -> tuple[int, int]:

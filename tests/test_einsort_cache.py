@@ -471,7 +471,7 @@ def test_eight_bit_error_keeps_generation(llama, padded):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(error_bits=5), "error_bits"), (dict(error_bits="4"), "error_bits"), (dict(rank=0, error_bits=None), "rank"),
+    (dict(error_bits=7), "error_bits"), (dict(error_bits="4"), "error_bits"), (dict(rank=0, error_bits=None), "rank"),
 ])
 def test_bad_error_settings_name_the_field(llama, kwargs, field):
     with pytest.raises(ValueError, match=rf"EinSortCache\.{field}: got .*; allowed: "):

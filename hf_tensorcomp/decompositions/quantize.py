@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-BITS = (2, 3, 4, 8)
+BITS = (2, 3, 4, 5, 6, 8)
 
 
 @dataclass
@@ -297,9 +297,12 @@ class Int4Kernel:
 
     4-bit codes are one kernel call; 2- and 3-bit codes too (4-bit codes that use part of the range: same
     scale and zero point, held at 4 bits in memory while the stored form stays packed at its width).
-    8-bit codes are two calls, one on each nibble: ``c - zero = 16 (hi - zero_hi) + (lo - zero_lo)`` with
-    ``hi, lo = c >> 4, c & 15`` (same bytes in memory as the 8-bit codes; PyTorch's own int8 kernel takes
-    one scale per row, not per group).
+    5-, 6- and 8-bit codes are two calls, one on each nibble: ``c - zero = 16 (hi - zero_hi) + (lo - zero_lo)``
+    with ``hi, lo = c >> 4, c & 15`` (same bytes in memory as 8-bit codes; PyTorch's own int8 kernel takes
+    one scale per row, not per group). 5- and 6-bit codes are split as ``d = c - zero + 136`` (73..199)
+    instead: ``c - zero = 16 (hi - 8) + (lo - 8)``, both calls' zero points 8 and their offsets exactly 0.
+    Split as 8-bit codes are, a 6-bit zero point near 32 leaves an offset near 96 s per group, whose
+    bfloat16 rounding (shared by the whole group) made the product ten times less precise than a bfloat16 one.
 
     That kernel computes ``x @ ((c - 8) * s + z)ᵀ`` per group; a part ``(c - zero) * s`` is ``z = (8 - zero) * s``
     (exact in float32; the kernel reads scales and offsets in bfloat16, like its activations: a weight is then
@@ -327,7 +330,14 @@ class Int4Kernel:
             codes = torch.cat([codes, zero[:, -1:].expand(out_f, per_row * g - in_f)], 1)
         scale = q.scale.view(out_f, per_row).float()
         # (codes, zero point, scale) per kernel call
-        nibbles = [(codes, zero, scale)] if q.bits <= 4 else [(codes >> 4, zero >> 4, scale * 16), (codes & 15, zero & 15, scale)]
+        if q.bits <= 4:
+            nibbles = [(codes, zero, scale)]
+        elif q.bits < 8:  # recentred (see the docstring): both calls' zero points 8, no offsets
+            d = codes - zero.repeat_interleave(g, 1)[:, : codes.shape[1]] + 136
+            eight = torch.full_like(zero, 8)
+            nibbles = [(d >> 4, eight, scale * 16), (d & 15, eight, scale)]
+        else:
+            nibbles = [(codes >> 4, zero >> 4, scale * 16), (codes & 15, zero & 15, scale)]
         parts = []
         for c, z, s in nibbles:
             sz = torch.stack([s, (8 - z).float() * s], -1).transpose(0, 1).contiguous().to(torch.bfloat16)

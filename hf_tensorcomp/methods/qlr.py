@@ -15,7 +15,7 @@ Per matrix (EoRA / QERA, with LQ-LoRA's and CALDERA's alternation):
 3. ``rounds`` more times: re-quantize W - B A, refit B A to what is left.
 
 ``target_bytes`` (instead of ``rank``): a fraction of the targeted matrices' bf16 bytes, allocated
-across all of them — bits (2, 3, 4 or 8, or those of ``bit_choices``) and correction rank per matrix —
+across all of them — bits (2, 3, 4, 5, 6 or 8, or those of ``bit_choices``) and correction rank per matrix —
 by the same greedy rule as LASER's global budget, on the whitened error each setting leaves (estimated with round to nearest,
 or with the quantizer itself: ``estimate="quantizer"``, slower), never exceeding it. The correction costs 2 bytes a value (bf16), or ``factor_bits`` if set. What the
 rule compares across matrices (``allocation``): ``"relative"`` — each matrix's whitened error relative
