@@ -532,7 +532,7 @@ def test_searched_grid_never_has_a_larger_round_trip_error(data):
     assert out["search"] < 0.95 * out["minmax"]  # on the output error GPTQ minimises, clipping pays at 2 bits
 
 
-@pytest.mark.parametrize("kw", [{"bits": 4}, {"bits": 3, "embedding_bits": 8, "embedding_group_size": 16},
+@pytest.mark.parametrize("kw", [{"bits": 4}, {"bits": 6}, {"bits": 3, "embedding_bits": 8, "embedding_group_size": 16},
                                 {"target_bytes": 0.4, "bit_choices": [2, 4, 8]}])
 def test_qlr_exports_a_compressed_tensors_base_that_transformers_loads(tiny_dirs, tmp_path, ids, kw):
     """The codes themselves, in compressed-tensors' pack-quantized format (one config group per width):
