@@ -297,12 +297,13 @@ class Int4Kernel:
 
     4-bit codes are one kernel call; 2- and 3-bit codes too (4-bit codes that use part of the range: same
     scale and zero point, held at 4 bits in memory while the stored form stays packed at its width).
-    5-, 6- and 8-bit codes are two calls, one on each nibble: ``c - zero = 16 (hi - zero_hi) + (lo - zero_lo)``
-    with ``hi, lo = c >> 4, c & 15`` (same bytes in memory as 8-bit codes; PyTorch's own int8 kernel takes
-    one scale per row, not per group). 5- and 6-bit codes are split as ``d = c - zero + 136`` (73..199)
-    instead: ``c - zero = 16 (hi - 8) + (lo - 8)``, both calls' zero points 8 and their offsets exactly 0.
-    Split as 8-bit codes are, a 6-bit zero point near 32 leaves an offset near 96 s per group, whose
-    bfloat16 rounding (shared by the whole group) made the product ten times less precise than a bfloat16 one.
+    8-bit codes are two calls, one on each nibble: ``c - zero = 16 (hi - zero_hi) + (lo - zero_lo)`` with
+    ``hi, lo = c >> 4, c & 15`` (same bytes in memory as the 8-bit codes; PyTorch's own int8 kernel takes
+    one scale per row, not per group). 5- and 6-bit codes are two calls too, on the nibbles of
+    ``d = c - zero + 136`` (73..199): ``c - zero = 16 (hi - 8) + (lo - 8)``, both calls' zero points 8 and
+    their offsets exactly 0. Split as 8-bit codes are, a 6-bit zero point near 32 leaves an offset near
+    96 s per group, whose bfloat16 rounding (shared by the whole group) made the product ten times less
+    precise than a bfloat16 one.
 
     That kernel computes ``x @ ((c - 8) * s + z)ᵀ`` per group; a part ``(c - zero) * s`` is ``z = (8 - zero) * s``
     (exact in float32; the kernel reads scales and offsets in bfloat16, like its activations: a weight is then
