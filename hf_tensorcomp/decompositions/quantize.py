@@ -334,7 +334,7 @@ class Int4Kernel:
         if q.bits <= 4:
             nibbles = [(codes, zero, scale)]
         elif q.bits < 8:  # recentred (see the docstring): both calls' zero points 8, no offsets
-            d = codes - zero.repeat_interleave(g, 1)[:, : codes.shape[1]] + 136
+            d = codes - zero.repeat_interleave(g, 1) + 136  # codes are padded to whole groups above
             eight = torch.full_like(zero, 8)
             nibbles = [(d >> 4, eight, scale * 16), (d & 15, eight, scale)]
         else:
