@@ -47,6 +47,9 @@ ROWS = {
     "tensorllm_attn0.8": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "target": 0.8},
     "trawl_attn0.8": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True, "target": 0.8},
 }
+for _f in ROWS.values():  # measured before the input rotation became qlr's default
+    if _f["method"] == "qlr":
+        _f["rotate"] = False
 ROWS["laser0.8_256w"], ROWS["laser0.6_256w"] = ROWS["laser0.8"], ROWS["laser0.6"]
 ROWS["laser0.8_layerwise"], ROWS["laser0.8_both"] = ROWS["laser0.8"], ROWS["laser0.8"]
 ROWS["qlr_bytes_0.27_b3_all"] = ROWS["qlr_bytes_0.27_b3"]
@@ -90,6 +93,9 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_600s"] = {**HEAL_OVERRIDES["qlr_bytes
 ROWS["qlr_bytes_0.27_b3_act_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b3"], "act_order": True}
 HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_300s"],
                                                          "precision": "auto"}
+# the same on the allocation with every width (2, 3, 4, 5, 6 and 8 bits)
+ROWS["qlr_bytes_0.27_b56_act_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b3_act_all_481w_300s"], "bit_choices": None}
+HEAL_OVERRIDES["qlr_bytes_0.27_b56_act_all_481w_300s"] = HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"]
 
 
 def _one(job: dict, q) -> None:

@@ -107,11 +107,13 @@ ROWS = {  # label -> TensorCompressionConfig fields
     "qlr_bytes_0.27_b48": {"method": "qlr", "target_bytes": 0.27, "bit_choices": [4, 8], "rounds": 1,
                            "allocation": "fisher", "grid": "search", "estimate": "quantizer"},
 }
-# the rows above were measured with GPTQ in column order (before act_order became qlr's default) and with
-# the 2-, 3-, 4- and 8-bit rungs (before 5 and 6 bits joined the default ladder)
+# the rows above were measured with GPTQ in column order (before act_order became qlr's default), with
+# the 2-, 3-, 4- and 8-bit rungs (before 5 and 6 bits joined the default ladder), and every qlr row in
+# this file unrotated unless it says rotate=True (before the rotation became qlr's default)
 for _f in ROWS.values():
     if _f["method"] == "qlr":
         _f.setdefault("act_order", False)
+        _f.setdefault("rotate", False)
         if "target_bytes" in _f:
             _f.setdefault("bit_choices", [2, 3, 4, 8])
 # the same allocation on 4x the calibration text (128 windows of 256 tokens instead of 32)
@@ -129,6 +131,11 @@ for _b in (5, 6):
     ROWS[f"gptq{_b}_search_act"] = {**ROWS["gptq4_search"], "bits": _b, "act_order": True}
 for _b in ("0.27", "0.33", "0.40"):
     ROWS[f"qlr_bytes_{_b}_b56_act"] = {**ROWS[f"qlr_bytes_{_b}_b3"], "act_order": True, "bit_choices": None}
+ROWS["qlr_bytes_0.21_b56_act"] = {**ROWS["qlr_bytes_0.21_b3"], "act_order": True, "bit_choices": None}
+# the same with each matrix quantized in a random block-Hadamard basis of its inputs (rotate=True)
+for _r in ("gptq3_search_act", "gptq4_search_act", "gptq5_search_act", "qlr_bytes_0.21_b56_act", "qlr_bytes_0.27_b56_act",
+           "qlr_bytes_0.33_b56_act"):
+    ROWS[f"{_r}_rot"] = {**ROWS[_r], "rotate": True}
 
 
 def _linear_bytes(model) -> tuple[int, int]:
@@ -403,13 +410,16 @@ def report(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: Path) -> None:
     def draw(ax, rs):
         rs = [r for r in rs if "x_owt" in r]
+        rotated = [r for r in rs if r["row"].endswith("_rot")]
+        rs = [r for r in rs if r not in rotated]
         groups = {"quanto": [r for r in rs if r["row"].startswith("quanto")],
                   "torchao int8": [r for r in rs if r["row"].startswith("torchao")],
                   "round to nearest / GPTQ alone": [r for r in rs if r["row"] == "rtn4" or
                                                     (r["row"].startswith("gptq") and not r["row"].startswith("gptqmodel"))],
                   "GPTQModel: GPTQ, + EoRA": [r for r in rs if r["row"].startswith("gptqmodel")],
                   "qlr (quantized + correction)": [r for r in rs if r["row"].startswith(("qlr", "rtn4_r"))],
-                  "LASER (quantized factors)": [r for r in rs if r["row"].startswith("laser")]}
+                  "LASER (quantized factors)": [r for r in rs if r["row"].startswith("laser")],
+                  "GPTQ / qlr, rotate=True": rotated}
         for label, g in groups.items():
             for corpus, marker in (("wikipedia", "o"), ("owt", "x")):
                 pts = sorted((r["linear_bytes"], r[f"x_{corpus}"]) for r in g)
@@ -430,7 +440,8 @@ def header(cfg: dict) -> str:
         "rows: benchmarks/results/decode_speed.md (its 4-bit rows run the CPU int4 kernel in float32 since it was "
         "measured here). GPTQModel rows (its GPTQ int4 with its defaults: symmetric, no activation order; + its EoRA "
         "correction) run in bfloat16, as its CPU kernel requires, and their ratios are to the dense model in bfloat16. "
-        "Written by benchmarks/quantized.py.\n\n"
+        "Rows ending in `_rot`: `rotate=True` (each matrix quantized in a random block-Hadamard basis of its inputs, "
+        "the layer rotating its input). Written by benchmarks/quantized.py.\n\n"
     )
 
 

@@ -474,7 +474,7 @@ def _table_ladder(model, config, m, entry, runner) -> tuple[str, tuple[list, lis
     stats.fisher = (getattr(runner, "fisher", None) or {}).get(head_name)
     stats.to(head.weight.device)  # gathered on the host, used beside the table
     ladder = m.ladder(emb_name, head, stats, entry, bits=TABLE_BITS, ranks=(0,), group_size=config.embedding_group_size,
-                      copies=copies)
+                      copies=copies, table=True)
     return emb_name, ladder, params
 
 

@@ -115,7 +115,7 @@ def _qlr(tiny_dirs, **kw):
 
 def test_rank_zero_is_the_plain_quantizer(tiny_dirs):
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
-    m = _qlr(tiny_dirs, rank=0, quantizer="rtn", whiten=False, grid="minmax")
+    m = _qlr(tiny_dirs, rank=0, quantizer="rtn", whiten=False, grid="minmax", rotate=False)
     layer = m.model.layers[1].mlp.up_proj
     assert isinstance(layer, QuantizedLowRankLinear) and layer.rank == 0
     w = dense.model.layers[1].mlp.up_proj.weight.detach()
@@ -126,7 +126,7 @@ def test_correction_is_the_whitened_closed_form_and_lowers_the_error(tiny_dirs):
     from hf_tensorcomp.calibration import LayerwiseRunner
 
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
-    m = _qlr(tiny_dirs, rank=4, quantizer="rtn", rounds=0, propagate=False, grid="minmax")
+    m = _qlr(tiny_dirs, rank=4, quantizer="rtn", rounds=0, propagate=False, grid="minmax", rotate=False)
     # layer 0's inputs are the same for the dense and the compressed model: the Gram of its MLP input
     grams = {}
     runner = LayerwiseRunner(dense, "model.layers", dense.model.layers, calib(), 8)
@@ -143,14 +143,17 @@ def test_correction_is_the_whitened_closed_form_and_lowers_the_error(tiny_dirs):
 
 
 @pytest.mark.parametrize("allocation, kw", [("relative", {}), ("size", {}), ("fisher", {}),
-                                             ("fisher", {"estimate": "quantizer", "grid": "search", "whiten": False})])
+                                             ("fisher", {"estimate": "quantizer", "grid": "search", "whiten": False}),
+                                             ("fisher", {"estimate": "quantizer", "rotate": False})])
 def test_every_allocation_meets_the_byte_budget(tiny_dirs, allocation, kw):
     from hf_tensorcomp.decompositions.quantize import stored_bytes
 
     m = _qlr(tiny_dirs, target_bytes=0.3, allocation=allocation, **kw)
     mods = m.config.quantization_config.stats["modules"]
     spent = sum(stored_bytes((v.out_features, v.in_features), st["bits"], 16) + st["rank"] * (v.in_features + v.out_features) * 2
+                + (v.in_features if v.rotation_block else 0)  # the rotation's signs
                 for n, st in mods.items() for v in [m.get_submodule(n)])
+    assert all(bool(m.get_submodule(n).rotation_block) == kw.get("rotate", True) for n in mods)
     dense = sum(2 * m.get_submodule(n).in_features * m.get_submodule(n).out_features for n in mods)
     assert spent <= 0.3 * dense
     assert spent >= 0.2 * dense  # and spends it
@@ -182,7 +185,7 @@ def _tensor_bytes(folder) -> int:
 
 @pytest.mark.parametrize("method, kw", [
     ("qlr", {"rank": 8}), ("qlr", {"rank": 8, "bits": 3}), ("qlr", {"rank": 8, "bits": 6}), ("qlr", {"rank": 8, "bits": 5}),
-    ("qlr", {"target_bytes": 0.3}), ("qlr", {"rank": 8, "factor_bits": 8}),
+    ("qlr", {"target_bytes": 0.3}), ("qlr", {"rank": 8, "factor_bits": 8}), ("qlr", {"target_bytes": 0.3, "rotate": False}),
     ("laser", {"rank": 8, "factor_bits": 4}), ("laser", {"rank": 8, "factor_bits": 8}),
     ("trawl", {"rank": 8, "factor_bits": 4}), ("tensorllm", {"ratio": 2.0, "factor_bits": 4}),
     ("einsort", {"target": 0.5, "factor_bits": 4}),
@@ -249,11 +252,74 @@ def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):
     ({"method": "qlr", "target_bytes": 0.3, "estimate": "gptq", "calibration": "wikipedia"}, "estimate"),
     ({"method": "qlr", "bit_choices": [3, 4], "calibration": "wikipedia"}, "bit_choices"),  # needs target_bytes
     ({"method": "qlr", "rank": 8, "act_order": "yes", "calibration": "wikipedia"}, "act_order"),
+    ({"method": "qlr", "rank": 8, "rotate": 64, "calibration": "wikipedia"}, "rotate"),
     ({"method": "qlr", "target_bytes": 0.3, "bit_choices": [4, 7], "calibration": "wikipedia"}, "bit_choices"),
 ])
 def test_bad_quantization_settings_name_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"TensorCompressionConfig\.{field}: got"):
         TensorCompressionConfig(**kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# rotate=True: the codes of W R, R a random block-Hadamard rotation of the inputs
+# ------------------------------------------------------------------------------------------------
+
+def test_block_hadamard_rotation_is_orthogonal_and_rotates_the_gram(data):
+    from hf_tensorcomp.decompositions.hadamard import rotate, rotate_gram, rotation_block, rotation_signs, unrotate
+
+    w, x = data
+    assert (rotation_block(576), rotation_block(1536), rotation_block(640), rotation_block(9)) == (64, 128, 128, 1)
+    signs, b = rotation_signs(128), rotation_block(128)
+    r = rotate(torch.eye(128, dtype=torch.float64), signs, b)  # the matrix R itself (rows of I times R)
+    assert torch.allclose(r @ r.T, torch.eye(128, dtype=torch.float64), atol=1e-12)
+    assert r.abs().unique().numel() == 1 and int((r != 0).sum()) == 128 * b  # ±1/sqrt(b), block-diagonal
+    assert torch.allclose(unrotate(rotate(w, signs, b), signs, b), w, atol=1e-5)
+    assert torch.allclose(rotate(x, signs, b) @ rotate(w, signs, b).T, x @ w.T, atol=1e-3)  # (x R)(W R)ᵀ = x Wᵀ
+    gram = (x.T @ x).double()
+    assert torch.allclose(rotate_gram(gram, signs, b), r.T @ gram @ r, rtol=1e-9, atol=1e-6)
+
+
+def test_rotation_spreads_outliers_and_lowers_the_round_trip_error():
+    """Heavy-tailed rows (a few weights 30x the rest): the min-max grid of a group is set by its outlier;
+    rotated, the outlier is spread over its block and the other weights get a finer step."""
+    from hf_tensorcomp.decompositions.hadamard import rotate, rotation_signs, unrotate
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=g)
+    w[torch.rand(64, 256, generator=g) < 0.01] *= 30
+    signs = rotation_signs(256)
+    plain = (quantize_rtn(w, 4, 64).dequantize() - w).norm()
+    rotated = (unrotate(quantize_rtn(rotate(w, signs, 128), 4, 64).dequantize(), signs, 128) - w).norm()
+    assert rotated < 0.6 * plain
+
+
+def test_rotated_qlr_is_the_quantizer_of_w_r_and_computes_its_product(tiny_dirs, ids):
+    from hf_tensorcomp.decompositions.hadamard import rotate, rotation_signs, unrotate
+
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    m = _qlr(tiny_dirs, rank=0, quantizer="rtn", whiten=False, grid="minmax", rotate=True)
+    layer = m.model.layers[1].mlp.down_proj  # 96 inputs: blocks of 32
+    assert layer.rotation_block == 32 and torch.equal(layer.input_signs, rotation_signs(96))
+    w = dense.model.layers[1].mlp.down_proj.weight.detach()
+    expect = unrotate(quantize_rtn(rotate(w, rotation_signs(96), 32), 4, 16).dequantize(), rotation_signs(96), 32)
+    assert torch.allclose(layer.dense_weight(), expect, atol=1e-6)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.allclose(layer(x), x @ layer.dense_weight().T, atol=1e-2 * float((x @ w.T).abs().max()))
+    st = m.config.quantization_config.stats
+    plain = _qlr(tiny_dirs, rank=0, quantizer="rtn", whiten=False, grid="minmax", rotate=False).config.quantization_config.stats
+    n_in = sum(v.in_features for v in m.modules() if isinstance(v, QuantizedLowRankLinear))
+    assert st["bytes_after"] - plain["bytes_after"] == n_in  # one byte per input for the signs
+
+
+def test_compressed_tensors_base_refuses_a_rotated_model(tiny_dirs, tmp_path):
+    from hf_tensorcomp.integration.peft import export_qlr
+
+    pytest.importorskip("compressed_tensors")
+    m = _qlr(tiny_dirs, rank=4, rotate=True)
+    with pytest.raises(ValueError, match=r"rotate=True.*base_format='dequantized'"):
+        export_qlr(m, tmp_path / "base", tmp_path / "adapter", base_format="compressed-tensors")
+    assert not (tmp_path / "base").exists()
 
 
 def test_rows_not_a_multiple_of_the_group_are_padded_per_row(data):
@@ -268,7 +334,7 @@ def test_rows_not_a_multiple_of_the_group_are_padded_per_row(data):
     assert ((w - g.dequantize()) @ x.T).norm() < ((w - q.dequantize()) @ x.T).norm()
 
 
-@pytest.mark.parametrize("kw", [{}, {"embedding_bits": 4, "embedding_group_size": 16}])
+@pytest.mark.parametrize("kw", [{}, {"embedding_bits": 4, "embedding_group_size": 16}, {"rotate": False}])
 def test_qlr_exports_as_a_base_and_a_peft_adapter(tiny_dirs, tmp_path, ids, kw):
     """The pair loads with transformers and PEFT alone and computes the same logits (a quantized tied
     embedding: de-quantized in the base, tied again)."""
@@ -329,8 +395,8 @@ def test_bfloat16_model_runs_the_kernel_and_gradients_take_the_dequantized_path(
     assert (y.float() - ref).abs().max() <= 0.05 * ref.abs().max()
     x = torch.randn(3, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
     layer(x).sum().backward()  # the kernel has no backward: this goes through the de-quantized weight
-    w = layer.weight + layer.lora_B @ layer.lora_A
-    assert torch.allclose(x.grad.float(), w.sum(0).float(), rtol=0.02, atol=0.02)
+    w = layer.dense_weight()  # Q(W R) Rᵀ + B A (rotated by default)
+    assert layer.rotation_block and torch.allclose(x.grad.float(), w.sum(0).float(), rtol=0.02, atol=0.02)
 
 
 def test_casting_a_quantized_model_keeps_its_stored_scales(tiny_dirs, tmp_path, ids):
@@ -548,7 +614,7 @@ def test_qlr_exports_a_compressed_tensors_base_that_transformers_loads(tiny_dirs
 
     from safetensors.torch import load_file
 
-    m = _qlr(tiny_dirs, group_size=16, **({"rank": 4} if "target_bytes" not in kw else {}), **kw)
+    m = _qlr(tiny_dirs, group_size=16, rotate=False, **({"rank": 4} if "target_bytes" not in kw else {}), **kw)
     mods = m.config.quantization_config.stats["modules"].values()
     bits = {d["bits"] for d in mods if "bits" in d and d.get("method") != "embedding"}
     if len(bits) > 1:  # a mix: every matrix at the widest width (transformers' loader reads one scheme)
@@ -573,7 +639,7 @@ def test_compressed_tensors_base_refuses_groups_that_do_not_divide(tiny_dirs, tm
     from hf_tensorcomp.integration.peft import export_qlr
 
     pytest.importorskip("compressed_tensors")
-    m = _qlr(tiny_dirs, rank=4, group_size=32)  # the tiny model's 48-wide inputs: one and a half groups
+    m = _qlr(tiny_dirs, rank=4, group_size=32, rotate=False)  # the tiny model's 48-wide inputs: one and a half groups
     with pytest.raises(ValueError, match=r"export_qlr: group_size: .* not a multiple of its groups of 32"):
         export_qlr(m, tmp_path / "base", tmp_path / "adapter", base_format="compressed-tensors")
     assert not (tmp_path / "base").exists()

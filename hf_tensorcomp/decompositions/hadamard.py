@@ -22,3 +22,52 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
         y = torch.stack([a + b, a - b], dim=-2)
         h *= 2
     return y.reshape(*lead, n) / math.sqrt(n)
+
+
+# ---------------------------------------------------------------- a random block-Hadamard rotation of the inputs
+# R = D · blockdiag(H_b, ..., H_b): D a fixed diagonal of random signs, H_b the orthonormal b x b Hadamard matrix.
+# A weight quantized as W R (each group's outliers spread over its block, QuIP# / QuaRot's incoherence) computes
+# W x = (W R)(Rᵀ x): the layer rotates its input, x ↦ x R (row vectors), before the quantized product.
+
+def rotation_block(n: int, cap: int = 128) -> int:
+    """The block of the rotation of an n-wide input: the largest power of two <= `cap` dividing n (1: none fits)."""
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def rotation_signs(n: int, seed: int = 0) -> torch.Tensor:
+    """The rotation's random signs (int8, ±1), the same for every n-wide input of a model (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (n,), generator=g, dtype=torch.int8) * 2 - 1)
+
+
+_H: dict = {}
+
+
+def _hadamard(b: int, dtype, device) -> torch.Tensor:
+    key = (b, dtype, str(device))
+    if key not in _H:
+        _H[key] = hadamard_transform(torch.eye(b, dtype=torch.float64)).to(dtype=dtype, device=device)
+    return _H[key]
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    """``x R`` along the last dim (rows of a weight, or a layer's inputs): signs, then a Hadamard per block
+    (one b x b product; H_b is symmetric)."""
+    n = x.shape[-1]
+    y = (x * signs.to(x.device, x.dtype)).reshape(*x.shape[:-1], n // block, block) @ _hadamard(block, x.dtype, x.device)
+    return y.reshape(x.shape)
+
+
+def unrotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    """``x Rᵀ`` (the inverse of `rotate`): a Hadamard per block, then the signs."""
+    n = x.shape[-1]
+    y = x.reshape(*x.shape[:-1], n // block, block) @ _hadamard(block, x.dtype, x.device)
+    return y.reshape(x.shape) * signs.to(x.device, x.dtype)
+
+
+def rotate_gram(gram: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    """Rᵀ G R: the Gram matrix of the rotated inputs x R, from that of the inputs (G symmetric)."""
+    return rotate(rotate(gram, signs, block).T, signs, block).T

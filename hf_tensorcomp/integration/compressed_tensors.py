@@ -46,6 +46,10 @@ def quantized_base_tensors(modules: dict) -> tuple[dict[str, torch.Tensor], dict
     for name, m in modules.items():
         bits, group, shape, _ = spec[name]
         out_f, in_f = shape
+        if m.rotation_block:
+            raise ValueError(f"export_qlr: {name} quantizes its weight in a rotated basis (rotate=True), which "
+                             "compressed-tensors cannot express; allowed with it: base_format='dequantized' (the "
+                             "de-quantized base in the model's own basis), or a model compressed with rotate=False")
         if in_f % group:
             raise ValueError(f"export_qlr: group_size: {name} has {in_f} inputs, not a multiple of its groups of {group}; "
                              f"allowed with base_format='compressed-tensors': a group_size dividing every matrix's input "

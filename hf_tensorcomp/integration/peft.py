@@ -142,7 +142,7 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "deq
         packed, quant_config = quantized_base_tensors(qlr)
     for name, m in qlr.items():
         if quant_config is None:  # with a packed base the codes are written instead of Q(W)
-            state[f"{name}.weight"] = m.weight.detach()
+            state[f"{name}.weight"] = m.base_weight().detach()
         if m.bias is not None:
             state[f"{name}.bias"] = m.bias.detach()
         if m.rank:

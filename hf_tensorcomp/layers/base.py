@@ -52,6 +52,8 @@ class FactorizedModule(nn.Module):
     build_order: int = 0
     #: the fields `spec()` writes and their kinds (`FIELD_KINDS`), or a tuple of allowed values
     spec_fields: dict = {}
+    #: fields `spec()` writes only when they differ from their default (checkpoints written before them load)
+    optional_fields: dict = {}
     #: True when the module keeps its tensors in child modules (checked recursively on reload)
     nested: bool = False
 
@@ -60,11 +62,13 @@ class FactorizedModule(nn.Module):
         """Raise ValueError naming the module and field if `spec` is not one this class writes."""
         if not isinstance(spec, dict):
             raise ValueError(f"compressed_modules[{name!r}]: got {spec!r}; allowed: a dict written by hf_tensorcomp")
-        unknown = sorted(set(spec) - set(cls.spec_fields) - {"layer", "new", "quant"})
+        unknown = sorted(set(spec) - set(cls.spec_fields) - set(cls.optional_fields) - {"layer", "new", "quant"})
         if unknown:
             raise ValueError(f"compressed_modules[{name!r}]: unknown field(s) {unknown} for layer {cls.layer_type!r}; "
-                             f"allowed: {sorted(cls.spec_fields)}")
-        for field, kind in cls.spec_fields.items():
+                             f"allowed: {sorted({**cls.spec_fields, **cls.optional_fields})}")
+        for field, kind in {**cls.spec_fields, **cls.optional_fields}.items():
+            if field not in spec and field in cls.optional_fields:
+                continue
             if field not in spec:
                 raise ValueError(f"compressed_modules[{name!r}].{field}: missing; the checkpoint's config.json is "
                                  f"incomplete or edited (layer {cls.layer_type!r} needs {sorted(cls.spec_fields)})")

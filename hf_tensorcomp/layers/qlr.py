@@ -6,6 +6,10 @@ the integer codes of Q(W) (packed, with its per-group ``weight_scale`` / ``weigh
 correction, in the model's dtype or quantized too (``factor_bits``). The forward dequantizes Q(W)
 on the fly, or runs PyTorch's CPU int4 kernel (8 bits as two calls; `FactorizedModule.factor_linear`); the
 correction costs 2 r (in + out) flops per token (in float32 on CPU at inference, also in a bfloat16 model).
+
+With ``rotation_block`` b (``qlr``'s ``rotate=True``) the codes are those of W R, R a random block-Hadamard
+rotation (`decompositions.hadamard`; its signs in the ``input_signs`` buffer): the layer computes
+(W R)(Rᵀ x), rotating its input first (one b x b product per block of inputs), the correction on x itself.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..decompositions.hadamard import rotate, unrotate
 from .base import FactorizedModule, register_layer
 
 
@@ -21,10 +26,18 @@ from .base import FactorizedModule, register_layer
 class QuantizedLowRankLinear(FactorizedModule):
     layer_type = "qlr"
     spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "rank": "int>=0", "bias": "bool"}
+    optional_fields = {"rotation_block": "int>=1"}
 
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, dtype=None, device=None):
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, dtype=None, device=None,
+                 rotation_block: int = 0):
         super().__init__()
+        if rotation_block and (rotation_block & (rotation_block - 1) or in_features % rotation_block):
+            raise ValueError(f"QuantizedLowRankLinear.rotation_block: got {rotation_block!r} for {in_features} inputs; "
+                             "allowed: 0 (no rotation) or a power of two dividing the input width")
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.rotation_block = rotation_block
+        if rotation_block:
+            self.register_buffer("input_signs", torch.ones(in_features, dtype=torch.int8, device=device))
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         if rank:
             self.lora_A = nn.Parameter(torch.empty(rank, in_features, dtype=dtype, device=device))
@@ -32,12 +45,17 @@ class QuantizedLowRankLinear(FactorizedModule):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     @classmethod
-    def build(cls, qweight, a: torch.Tensor | None, b: torch.Tensor | None, bias: torch.Tensor | None, dtype) -> "QuantizedLowRankLinear":
-        """From a quantized weight (`decompositions.quantize.QTensor`, out x in) and the correction B A."""
+    def build(cls, qweight, a: torch.Tensor | None, b: torch.Tensor | None, bias: torch.Tensor | None, dtype,
+              rotation: tuple[torch.Tensor, int] | None = None) -> "QuantizedLowRankLinear":
+        """From a quantized weight (`decompositions.quantize.QTensor`, out x in) and the correction B A;
+        `rotation` (signs, block): the codes are those of W R (see the module docstring)."""
         out_f, in_f = qweight.shape
         rank = 0 if a is None else a.shape[0]
-        m = cls(in_f, out_f, rank, bias=bias is not None, dtype=dtype, device=qweight.codes.device)
+        m = cls(in_f, out_f, rank, bias=bias is not None, dtype=dtype, device=qweight.codes.device,
+                rotation_block=rotation[1] if rotation else 0)
         with torch.no_grad():
+            if rotation:
+                m.input_signs.copy_(rotation[0])
             if rank:
                 m.lora_A.copy_(a.to(dtype))
                 m.lora_B.copy_(b.to(dtype))
@@ -47,7 +65,8 @@ class QuantizedLowRankLinear(FactorizedModule):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.factor_linear(x, "weight", self.bias)
+        xr = rotate(x, self.input_signs, self.rotation_block) if self.rotation_block else x
+        y = self.factor_linear(xr, "weight", self.bias)
         if self.rank:
             if x.dtype == torch.bfloat16 and x.device.type == "cpu":
                 # two thin bfloat16 products cost ~3x their float32 equivalents on CPU at decode shapes
@@ -55,8 +74,13 @@ class QuantizedLowRankLinear(FactorizedModule):
             y = y + F.linear(F.linear(x, self.lora_A), self.lora_B)
         return y
 
-    def dense_weight(self) -> torch.Tensor:
+    def base_weight(self) -> torch.Tensor:
+        """The de-quantized base Q(W R) Rᵀ, acting on the layer's input as it comes (no correction)."""
         w = self.weight
+        return unrotate(w, self.input_signs, self.rotation_block) if self.rotation_block else w
+
+    def dense_weight(self) -> torch.Tensor:
+        w = self.base_weight()
         return w + self.lora_B @ self.lora_A if self.rank else w
 
     def append_factors(self, u: torch.Tensor, v: torch.Tensor) -> None:
@@ -81,13 +105,16 @@ class QuantizedLowRankLinear(FactorizedModule):
 
     def spec(self) -> dict:
         return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
-                "rank": self.rank, "bias": self.bias is not None}
+                "rank": self.rank, "bias": self.bias is not None,
+                **({"rotation_block": self.rotation_block} if self.rotation_block else {})}
 
     @classmethod
     def from_spec(cls, spec: dict, dtype=None, root=None) -> "QuantizedLowRankLinear":
-        return cls(spec["in_features"], spec["out_features"], spec["rank"], bias=spec["bias"], dtype=dtype)
+        return cls(spec["in_features"], spec["out_features"], spec["rank"], bias=spec["bias"], dtype=dtype,
+                   rotation_block=spec.get("rotation_block", 0))
 
     def extra_repr(self) -> str:
         q = self.__dict__.get("_qfactors", {}).get("weight")
         bits = f", bits={q[0]}, group_size={q[1]}" if q else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}{bits}"
+        rot = f", rotation_block={self.rotation_block}" if self.rotation_block else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}{bits}{rot}"

@@ -14,6 +14,13 @@ Per matrix (EoRA / QERA, with LQ-LoRA's and CALDERA's alternation):
    error ‖(W - Q - B A) Xᵀ‖ on the calibration inputs (``whiten=False``: plain Frobenius).
 3. ``rounds`` more times: re-quantize W - B A, refit B A to what is left.
 
+``rotate=True`` (default): step 1 quantizes W R instead of W, R a random block-Hadamard rotation of the inputs
+(`decompositions.hadamard`: random signs, then an orthonormal Hadamard per block of the largest power of
+two <= 128 dividing the input width; QuIP# / QuaRot's incoherence processing). A group's few large weights
+are spread over its block, so the grid fits the rest better; GPTQ works on the rotated Gram Rᵀ XᵀX R. The
+layer rotates its input before the quantized product (one block x block product per token and block) and
+stores the signs (one byte per input); the correction is fitted and applied in the unrotated space.
+
 ``target_bytes`` (instead of ``rank``): a fraction of the targeted matrices' bf16 bytes, allocated
 across all of them — bits (2, 3, 4, 5, 6 or 8, or those of ``bit_choices``) and correction rank per matrix —
 by the same greedy rule as LASER's global budget, on the whitened error each setting leaves (estimated with round to nearest,
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from ..decompositions.hadamard import rotate, rotate_gram, rotation_block, rotation_signs, unrotate
 from ..decompositions.quantize import BITS, GRIDS, quantize_gptq, quantize_rtn, stored_bytes
 from ..decompositions.svd import whitened_svd, whitening_factor
 from ..layers import QuantizedLowRankLinear
@@ -62,7 +70,7 @@ class QuantizedLowRank(Method):
     remedy = "more bits or a larger rank (check the weight: a quantized finite weight is never worse than zeros)"
     option_defaults = {"bits": 4, "quantizer": "gptq", "whiten": True, "rounds": 2, "damping": 1e-4,
                        "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative", "grid": "search",
-                       "estimate": "rtn", "bit_choices": None, "act_order": True}
+                       "estimate": "rtn", "bit_choices": None, "act_order": True, "rotate": True}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -81,6 +89,8 @@ class QuantizedLowRank(Method):
             fail("grid", o["grid"], choices(GRIDS) + " (each group's range: min-max, or the clipping with the least error)")
         if not isinstance(o["act_order"], bool):
             fail("act_order", o["act_order"], "True (GPTQ quantizes the inputs with the most energy first, static groups) | False")
+        if not isinstance(o["rotate"], bool):
+            fail("rotate", o["rotate"], "True (quantize W R, R a random block-Hadamard rotation of the inputs) | False")
         if o["estimate"] not in ESTIMATES:
             fail("estimate", o["estimate"], choices(ESTIMATES) + " (how target_bytes' rungs are scored: round to nearest, "
                  "or the quantizer itself)")
@@ -134,42 +144,58 @@ class QuantizedLowRank(Method):
             raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration=")
         return whitening_factor(stats.gram, entry.options["damping"])
 
-    def _quantize(self, w, bits, entry, stats, group_size=None, estimating=False):
-        """The quantizer's codes of `w`; `estimating` (a ladder's rung): round to nearest unless
-        ``estimate="quantizer"``."""
+    @staticmethod
+    def _rotation(in_features: int, entry) -> tuple[torch.Tensor, int] | None:
+        """(signs, block) of the input rotation with ``rotate=True`` (None: off, or an odd input width)."""
+        block = rotation_block(in_features) if entry.options["rotate"] else 1
+        return (rotation_signs(in_features), block) if block > 1 else None
+
+    def _quantize(self, w, bits, entry, stats, group_size=None, estimating=False, rot=None):
+        """The quantizer's codes of `w` (of `w` R with a rotation `rot`); `estimating` (a ladder's rung):
+        round to nearest unless ``estimate="quantizer"``."""
         o, g = entry.options, group_size or entry.group_size
+        if rot is not None:
+            w = rotate(w, *rot)
         if o["quantizer"] == "gptq" and not (estimating and o["estimate"] == "rtn"):
-            return quantize_gptq(w, stats.gram, bits, g, o["gptq_damping"], o["grid"], act_order=o["act_order"])
+            gram = stats.gram if rot is None else rotate_gram(stats.gram.double(), *rot)
+            return quantize_gptq(w, gram, bits, g, o["gptq_damping"], o["grid"], act_order=o["act_order"])
         return quantize_rtn(w, bits, g, o["grid"])
 
-    def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s) -> tuple:
+    @staticmethod
+    def _approx(q, rot) -> torch.Tensor:
+        """Q's de-quantized value in the input's own space."""
+        return q.dequantize() if rot is None else unrotate(q.dequantize(), *rot)
+
+    def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s, rot=None) -> tuple:
         """(QTensor, A, B) for one matrix: quantize, fit the correction, alternate."""
         w = w.detach().float()
-        q = self._quantize(w, bits, entry, stats)
+        q = self._quantize(w, bits, entry, stats, rot=rot)
         a = b = None
         for k in range(1 + entry.options["rounds"] if rank else 0):
             if k:
-                q = self._quantize(w - b @ a, bits, entry, stats)
-            b, a, _ = whitened_svd(w - q.dequantize(), rank, s)
+                q = self._quantize(w - b @ a, bits, entry, stats, rot=rot)
+            b, a, _ = whitened_svd(w - self._approx(q, rot), rank, s)
         return q, a, b
 
-    def _rung_bytes(self, lin, bits, rank, entry, group_size=None) -> float:
+    def _rung_bytes(self, lin, bits, rank, entry, group_size=None, rotated=False) -> float:
         i, o = lin.in_features, lin.out_features
         corr_bits = entry.factor_bits or 16
-        return stored_bytes((o, i), bits, group_size or entry.group_size) + rank * (i + o) * corr_bits / 8
+        return (stored_bytes((o, i), bits, group_size or entry.group_size) + rank * (i + o) * corr_bits / 8
+                + (i if rotated else 0))  # the rotation's signs, one byte each
 
-    def ladder(self, name, module, stats, entry, bits=None, ranks=RANK_RUNGS, group_size=None, copies=1):
+    def ladder(self, name, module, stats, entry, bits=None, ranks=RANK_RUNGS, group_size=None, copies=1, table=False):
         """Rungs (bits, rank) on the Pareto front of (bytes, loss), costs in bf16 parameters (bytes / 2)
         so that the budget is `target_bytes` x the targeted parameters; the loss as ``allocation`` says.
         `bits`, `ranks`, `group_size` narrow the rungs (the embedding table: its own group size, no
         correction; default bits: the ``bit_choices`` option); `copies`: how many times the matrix is stored (an
-        untied head beside its table)."""
+        untied head beside its table); `table`: the embedding table (looked up, never rotated)."""
         bits = bits or entry.options["bit_choices"] or BITS
         group_size = group_size or entry.group_size
         s = self._whitening(stats, entry)
         how = entry.options["allocation"]
         d = stats.fisher.clamp_min(0).sqrt().double() if how == "fisher" else None
         w = module.weight.detach().float()
+        rot = None if table else self._rotation(w.shape[1], entry)
 
         def weighted(m, rows=slice(None)):
             m = m[rows].double() @ s if s is not None else m[rows].double()
@@ -184,7 +210,7 @@ class QuantizedLowRank(Method):
             ref = energy(w) / (w.numel() if how == "size" else 1)
         points = []
         for b in bits:
-            err = w - self._quantize(w, b, entry, stats, group_size, estimating=True).dequantize()
+            err = w - self._approx(self._quantize(w, b, entry, stats, group_size, estimating=True, rot=rot), rot)
             if any(ranks):
                 tail = torch.linalg.svdvals(weighted(err)).pow(2).flip(0).cumsum(0).flip(0).tolist() + [0.0]
             else:  # no correction: the whole error, no SVD
@@ -192,7 +218,7 @@ class QuantizedLowRank(Method):
             del err
             for r in ranks:
                 if r < min(w.shape) // 2:
-                    points.append((copies * self._rung_bytes(module, b, r, entry, group_size) / 2, tail[r] / ref, (b, r)))
+                    points.append((copies * self._rung_bytes(module, b, r, entry, group_size, rot is not None) / 2, tail[r] / ref, (b, r)))
         points.sort()
         front = []
         for cost, loss, setting in points:
@@ -210,13 +236,14 @@ class QuantizedLowRank(Method):
             else:
                 bits, rank = entry.options["bits"], min(entry.rank, min(lin.weight.shape))
             s = self._whitening(stats, entry)
-            q, a, b = self.fit(lin.weight, bits, rank, entry, stats, s)
+            rot = self._rotation(lin.in_features, entry)
+            q, a, b = self.fit(lin.weight, bits, rank, entry, stats, s, rot)
             bias = None if lin.bias is None else lin.bias.detach()
-            new = QuantizedLowRankLinear.build(q, a, b, bias, lin.weight.dtype)
+            new = QuantizedLowRankLinear.build(q, a, b, bias, lin.weight.dtype, rotation=rot)
             w = lin.weight.detach().float()
             approx = new.dense_weight().detach().float()
             out[name] = (new, {"bits": bits, "rank": rank, "group_size": entry.group_size,
                                "rel_error": round(_error(w, approx, None), 6),
                                "whitened_error": round(_error(w, approx, s), 6) if s is not None else None,
-                               "quant_only_error": round(_error(w, q.dequantize(), s), 6)})
+                               "quant_only_error": round(_error(w, self._approx(q, rot), s), 6)})
         return out
