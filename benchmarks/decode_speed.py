@@ -41,8 +41,9 @@ ROWS = {
 }
 for _f in ROWS.values():  # measured before the input rotation became qlr's default
     _f["rotate"] = False
-# 4 bits with the input rotation (rotate=True: one block-Hadamard product on each layer's input)
-ROWS["rtn4_rot"] = {**ROWS["rtn4"], "rotate": True}
+# 4 bits with the input rotation (rotate=True: one block-Hadamard product on each layer's input), and 4 bits
+# without it again in the same run (the rotation's cost is the ratio of the two)
+ROWS["rtn4_rot"], ROWS["rtn4_again"] = {**ROWS["rtn4"], "rotate": True}, ROWS["rtn4"]
 
 
 def _one(job: dict, q) -> None:
