@@ -134,7 +134,7 @@ for _b in ("0.27", "0.33", "0.40"):
 ROWS["qlr_bytes_0.21_b56_act"] = {**ROWS["qlr_bytes_0.21_b3"], "act_order": True, "bit_choices": None}
 # the same with each matrix quantized in a random block-Hadamard basis of its inputs (rotate=True)
 for _r in ("gptq3_search_act", "gptq4_search_act", "gptq5_search_act", "qlr_bytes_0.21_b56_act", "qlr_bytes_0.27_b56_act",
-           "qlr_bytes_0.33_b56_act"):
+           "qlr_bytes_0.33_b56_act", "qlr_bytes_0.27_b48_act"):
     ROWS[f"{_r}_rot"] = {**ROWS[_r], "rotate": True}
 
 
