@@ -96,6 +96,9 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"] = {**HEAL_OVERRIDES["qlr_b
 # the same on the allocation with every width (2, 3, 4, 5, 6 and 8 bits)
 ROWS["qlr_bytes_0.27_b56_act_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b3_act_all_481w_300s"], "bit_choices": None}
 HEAL_OVERRIDES["qlr_bytes_0.27_b56_act_all_481w_300s"] = HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"]
+# and on the rotated model (rotate=True, qlr's default)
+ROWS["qlr_bytes_0.27_b56_act_rot_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b56_act_all_481w_300s"], "rotate": True}
+HEAL_OVERRIDES["qlr_bytes_0.27_b56_act_rot_all_481w_300s"] = HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"]
 
 
 def _one(job: dict, q) -> None:
