@@ -218,7 +218,8 @@ class QuantizedLowRank(Method):
             del err
             for r in ranks:
                 if r < min(w.shape) // 2:
-                    points.append((copies * self._rung_bytes(module, b, r, entry, group_size, rot is not None) / 2, tail[r] / ref, (b, r)))
+                    cost = copies * self._rung_bytes(module, b, r, entry, group_size, rot is not None) / 2
+                    points.append((cost, tail[r] / ref, (b, r)))
         points.sort()
         front = []
         for cost, loss, setting in points:
