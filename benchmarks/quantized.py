@@ -136,6 +136,9 @@ ROWS["qlr_bytes_0.21_b56_act"] = {**ROWS["qlr_bytes_0.21_b3"], "act_order": True
 for _r in ("gptq3_search_act", "gptq4_search_act", "gptq5_search_act", "qlr_bytes_0.21_b56_act", "qlr_bytes_0.27_b56_act",
            "qlr_bytes_0.33_b56_act", "qlr_bytes_0.27_b48_act"):
     ROWS[f"{_r}_rot"] = {**ROWS[_r], "rotate": True}
+# rotated allocations without the narrow rungs (Gemma: 2/3-bit rungs cost more than the score predicts)
+ROWS["qlr_bytes_0.27_b4568_act_rot"] = {**ROWS["qlr_bytes_0.27_b56_act_rot"], "bit_choices": [4, 5, 6, 8]}
+ROWS["qlr_bytes_0.21_b348_act_rot"] = {**ROWS["qlr_bytes_0.21_b348_act"], "rotate": True}
 
 
 def _linear_bytes(model) -> tuple[int, int]:
