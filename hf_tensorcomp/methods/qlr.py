@@ -150,14 +150,25 @@ class QuantizedLowRank(Method):
         block = rotation_block(in_features) if entry.options["rotate"] else 1
         return (rotation_signs(in_features), block) if block > 1 else None
 
-    def _quantize(self, w, bits, entry, stats, group_size=None, estimating=False, rot=None):
-        """The quantizer's codes of `w` (of `w` R with a rotation `rot`); `estimating` (a ladder's rung):
-        round to nearest unless ``estimate="quantizer"``."""
+    @staticmethod
+    def _gptq(entry, estimating=False) -> bool:
+        """Whether GPTQ quantizes (`estimating`, a ladder's rung: round to nearest unless ``estimate="quantizer"``)."""
+        o = entry.options
+        return o["quantizer"] == "gptq" and not (estimating and o["estimate"] == "rtn")
+
+    def _gram(self, stats, entry, rot, estimating=False):
+        """The inputs' Gram matrix in the quantizer's basis (Rᵀ XᵀX R with a rotation), once per matrix;
+        None where the quantizer needs none."""
+        if not self._gptq(entry, estimating):
+            return None
+        return stats.gram if rot is None else rotate_gram(stats.gram.double(), *rot)
+
+    def _quantize(self, w, bits, entry, gram, group_size=None, estimating=False, rot=None):
+        """The quantizer's codes of `w` (of `w` R with a rotation `rot`; `gram` from `_gram`)."""
         o, g = entry.options, group_size or entry.group_size
         if rot is not None:
             w = rotate(w, *rot)
-        if o["quantizer"] == "gptq" and not (estimating and o["estimate"] == "rtn"):
-            gram = stats.gram if rot is None else rotate_gram(stats.gram.double(), *rot)
+        if self._gptq(entry, estimating):
             return quantize_gptq(w, gram, bits, g, o["gptq_damping"], o["grid"], act_order=o["act_order"])
         return quantize_rtn(w, bits, g, o["grid"])
 
@@ -169,11 +180,12 @@ class QuantizedLowRank(Method):
     def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s, rot=None) -> tuple:
         """(QTensor, A, B) for one matrix: quantize, fit the correction, alternate."""
         w = w.detach().float()
-        q = self._quantize(w, bits, entry, stats, rot=rot)
+        gram = self._gram(stats, entry, rot)
+        q = self._quantize(w, bits, entry, gram, rot=rot)
         a = b = None
         for k in range(1 + entry.options["rounds"] if rank else 0):
             if k:
-                q = self._quantize(w - b @ a, bits, entry, stats, rot=rot)
+                q = self._quantize(w - b @ a, bits, entry, gram, rot=rot)
             b, a, _ = whitened_svd(w - self._approx(q, rot), rank, s)
         return q, a, b
 
@@ -196,6 +208,7 @@ class QuantizedLowRank(Method):
         d = stats.fisher.clamp_min(0).sqrt().double() if how == "fisher" else None
         w = module.weight.detach().float()
         rot = None if table else self._rotation(w.shape[1], entry)
+        gram = self._gram(stats, entry, rot, estimating=True)
 
         def weighted(m, rows=slice(None)):
             m = m[rows].double() @ s if s is not None else m[rows].double()
@@ -210,7 +223,7 @@ class QuantizedLowRank(Method):
             ref = energy(w) / (w.numel() if how == "size" else 1)
         points = []
         for b in bits:
-            err = w - self._approx(self._quantize(w, b, entry, stats, group_size, estimating=True, rot=rot), rot)
+            err = w - self._approx(self._quantize(w, b, entry, gram, group_size, estimating=True, rot=rot), rot)
             if any(ranks):
                 tail = torch.linalg.svdvals(weighted(err)).pow(2).flip(0).cumsum(0).flip(0).tolist() + [0.0]
             else:  # no correction: the whole error, no SVD
