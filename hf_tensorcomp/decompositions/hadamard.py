@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -44,6 +45,7 @@ def rotation_signs(n: int, seed: int = 0) -> torch.Tensor:
 
 
 _H: dict = {}
+_SIGNS: dict = {}
 
 
 def _hadamard(b: int, dtype, device) -> torch.Tensor:
@@ -53,19 +55,28 @@ def _hadamard(b: int, dtype, device) -> torch.Tensor:
     return _H[key]
 
 
+def _signs_as(signs: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`signs` in `like`'s dtype and device, converted once per signs tensor (the same object, unchanged since:
+    a weak reference and the version counter say so), not at every forward."""
+    key = (id(signs), like.dtype, like.device)
+    hit = _SIGNS.get(key)
+    version = signs._version if not signs.is_inference() else -1
+    if hit is None or hit[0]() is not signs or hit[1] != version:
+        hit = _SIGNS[key] = (weakref.ref(signs), version, signs.to(like.device, like.dtype))
+    return hit[2]
+
+
 def rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
     """``x R`` along the last dim (rows of a weight, or a layer's inputs): signs, then a Hadamard per block
-    (one b x b product; H_b is symmetric)."""
-    n = x.shape[-1]
-    y = (x * signs.to(x.device, x.dtype)).reshape(*x.shape[:-1], n // block, block) @ _hadamard(block, x.dtype, x.device)
+    (one (.. x b) @ (b x b) product; H_b is symmetric)."""
+    y = (x * _signs_as(signs, x)).reshape(-1, block) @ _hadamard(block, x.dtype, x.device)
     return y.reshape(x.shape)
 
 
 def unrotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
     """``x Rᵀ`` (the inverse of `rotate`): a Hadamard per block, then the signs."""
-    n = x.shape[-1]
-    y = x.reshape(*x.shape[:-1], n // block, block) @ _hadamard(block, x.dtype, x.device)
-    return y.reshape(x.shape) * signs.to(x.device, x.dtype)
+    y = x.reshape(-1, block) @ _hadamard(block, x.dtype, x.device)
+    return y.reshape(x.shape) * _signs_as(signs, x)
 
 
 def rotate_gram(gram: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
