@@ -279,6 +279,22 @@ def test_block_hadamard_rotation_is_orthogonal_and_rotates_the_gram(data):
     assert torch.allclose(rotate_gram(gram, signs, b), r.T @ gram @ r, rtol=1e-9, atol=1e-6)
 
 
+def test_rotation_follows_signs_changed_in_place_or_replaced():
+    """The signs are converted to the input's dtype once per tensor: a checkpoint's signs copied into the buffer
+    in place (load_state_dict), or a new signs tensor, must be used at once, never a stale conversion."""
+    from hf_tensorcomp.decompositions.hadamard import rotate, rotation_signs, unrotate
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    signs = rotation_signs(64)
+    first = rotate(x, signs, 32)
+    signs.copy_(rotation_signs(64, seed=1))  # in place, as a state dict loads
+    moved = rotate(x, signs, 32)
+    assert not torch.allclose(moved, first)
+    assert torch.allclose(unrotate(moved, signs, 32), x, atol=1e-5)
+    assert torch.allclose(moved, rotate(x, rotation_signs(64, seed=1), 32), atol=1e-6)  # a new tensor, same values
+    assert torch.allclose(rotate(x.double(), signs, 32), moved.double(), atol=1e-5)  # another dtype
+
+
 def test_rotation_spreads_outliers_and_lowers_the_round_trip_error():
     """Heavy-tailed rows (a few weights 30x the rest): the min-max grid of a group is set by its outlier;
     rotated, the outlier is spread over its block and the other weights get a finer step."""
