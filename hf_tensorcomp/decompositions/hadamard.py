@@ -57,12 +57,13 @@ def _hadamard(b: int, dtype, device) -> torch.Tensor:
 
 def _signs_as(signs: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`signs` in `like`'s dtype and device, converted once per signs tensor (the same object, unchanged since:
-    a weak reference and the version counter say so), not at every forward."""
+    a weak reference and the version counter say so), not at every forward; the entry goes with the tensor."""
     key = (id(signs), like.dtype, like.device)
     hit = _SIGNS.get(key)
     version = signs._version if not signs.is_inference() else -1
     if hit is None or hit[0]() is not signs or hit[1] != version:
-        hit = _SIGNS[key] = (weakref.ref(signs), version, signs.to(like.device, like.dtype))
+        ref = weakref.ref(signs, lambda r, k=key: _SIGNS.pop(k, None) if _SIGNS.get(k, (None,))[0] is r else None)
+        hit = _SIGNS[key] = (ref, version, signs.to(like.device, like.dtype))
     return hit[2]
 
 
