@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -45,7 +44,6 @@ def rotation_signs(n: int, seed: int = 0) -> torch.Tensor:
 
 
 _H: dict = {}
-_SIGNS: dict = {}
 
 
 def _hadamard(b: int, dtype, device) -> torch.Tensor:
@@ -55,33 +53,25 @@ def _hadamard(b: int, dtype, device) -> torch.Tensor:
     return _H[key]
 
 
-def _signs_as(signs: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`signs` in `like`'s dtype and device, converted once per signs tensor (the same object, unchanged since:
-    a weak reference and the version counter say so), not at every forward; the entry goes with the tensor."""
-    key = (id(signs), like.dtype, like.device)
-    hit = _SIGNS.get(key)
-    version = signs._version if not signs.is_inference() else -1
-    if hit is None or hit[0]() is not signs or hit[1] != version:
-        ref = weakref.ref(signs, lambda r, k=key: _SIGNS.pop(k, None) if _SIGNS.get(k, (None,))[0] is r else None)
-        hit = _SIGNS[key] = (ref, version, signs.to(like.device, like.dtype))
-    return hit[2]
-
-
 def rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
     """``x R`` along the last dim (rows of a weight, or a layer's inputs): signs, then a Hadamard per block
     (one (.. x b) @ (b x b) product; H_b is symmetric). A half-precision input on CPU is rotated in float32 and
     returned in its dtype: a bfloat16 product of these shapes costs ~5x the float32 one on CPUs without native
-    bfloat16 (measured at 1536 inputs, one thread)."""
+    bfloat16 (measured at 1536 inputs, one thread). The int8 signs multiply as they are (type promotion): no
+    float copy of them to keep in step with the buffer."""
     if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
         return rotate(x.float(), signs, block).to(x.dtype)
-    y = (x * _signs_as(signs, x)).reshape(-1, block) @ _hadamard(block, x.dtype, x.device)
+    y = (x * signs).reshape(-1, block) @ _hadamard(block, x.dtype, x.device)
     return y.reshape(x.shape)
 
 
 def unrotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
-    """``x Rᵀ`` (the inverse of `rotate`): a Hadamard per block, then the signs."""
+    """``x Rᵀ`` (the inverse of `rotate`): a Hadamard per block, then the signs (half precision on CPU in float32,
+    as in `rotate`)."""
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        return unrotate(x.float(), signs, block).to(x.dtype)
     y = x.reshape(-1, block) @ _hadamard(block, x.dtype, x.device)
-    return y.reshape(x.shape) * _signs_as(signs, x)
+    return y.reshape(x.shape) * signs
 
 
 def rotate_gram(gram: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
