@@ -22,7 +22,8 @@ from common import _without_inference_mode, bench_main, child_setup, decode_toke
 NAME = "decode_speed"
 DEFAULTS = {
     "models": ["smollm2", "gemma3"],
-    "rows": ["dense", "quanto_int4", "rtn4", "rtn4_r32", "rtn4_r32_emb8", "bytes0.27", "bytes0.27_b34", "bytes0.33"],
+    "rows": ["dense", "quanto_int4", "rtn4", "rtn4_rot", "rtn4_r32", "rtn4_r32_emb8", "bytes0.27", "bytes0.27_rot",
+             "bytes0.27_b34", "bytes0.33"],
     "group_size": 128,
     "calibration_samples": 32,
     "calibration_length": 256,
@@ -39,11 +40,9 @@ ROWS = {
     "bytes0.27_b34": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",
                       "bit_choices": [3, 4]},
 }
-for _f in ROWS.values():  # measured before the input rotation became qlr's default
-    _f["rotate"] = False
-# 4 bits with the input rotation (rotate=True: one block-Hadamard product on each layer's input), and 4 bits
-# without it again in the same run (the rotation's cost is the ratio of the two)
-ROWS["rtn4_rot"], ROWS["rtn4_again"] = {**ROWS["rtn4"], "rotate": True}, ROWS["rtn4"]
+for _f in ROWS.values():  # without the input rotation (qlr's default); `_rot` rows with it: one block-Hadamard
+    _f["rotate"] = False  # product on each layer's input before the int4 kernel (the rotation's cost: the ratio)
+ROWS["rtn4_rot"], ROWS["bytes0.27_rot"] = ({**ROWS[r], "rotate": True} for r in ("rtn4", "bytes0.27"))
 
 
 def _one(job: dict, q) -> None:
@@ -101,13 +100,13 @@ def header(cfg: dict) -> str:
     return ("# Decode speed of 4-bit weights, float32 and bfloat16\n\n"
             f"Batch 1, greedy, 32 new tokens after a 32-token prompt, {cfg['threads']} thread(s), groups of "
             f"{cfg['group_size']}; one child process per model and row. `rtn4`: hf_tensorcomp's 4-bit codes "
-            "(`qlr`, rank 0); `rtn4_r32`: plus a rank-32 whitened correction; `bytes0.27`: `target_bytes=0.27` "
-            "(Fisher allocation over 2, 3, 4 and 8 bits and ranks, round to nearest), `bytes0.27_b34`: the same over 3 "
-            "and 4 bits; `bytes0.33`: `target_bytes=0.33` over 2, 3, 4 and 8 bits; `rtn4_r32_emb8`: `rtn4_r32` with the "
-            "embedding and the tied head as 8-bit codes (the main job's shapes). 2-, 3- and 4-bit codes run PyTorch's CPU "
-            "int4 kernel, 8-bit codes two calls of it (one per nibble). Both published runs had the other core busy "
-            "with a one-thread benchmark; `bytes0.27_b34` and `bytes0.33` come from the second (their ratios are to the "
-            "first run's dense rows). Written by benchmarks/decode_speed.py.\n\n")
+            "(`qlr`, rank 0, `rotate=False`); `rtn4_rot`: the same with the input rotation (`qlr`'s default: one "
+            "block-Hadamard product on each layer's input); `rtn4_r32`: plus a rank-32 whitened correction; `bytes0.27`: "
+            "`target_bytes=0.27` (Fisher allocation over every width, 2, 3, 4, 5, 6 and 8 bits, and ranks; round to "
+            "nearest), `bytes0.27_rot` rotated, `bytes0.27_b34`: over 3 and 4 bits; `bytes0.33`: `target_bytes=0.33`; "
+            "`rtn4_r32_emb8`: `rtn4_r32` with the embedding and the tied head as 8-bit codes. 2-, 3- and 4-bit codes run "
+            "PyTorch's CPU int4 kernel, 5-, 6- and 8-bit codes two calls of it. Every row from one run, nothing else "
+            "running. Written by benchmarks/decode_speed.py.\n\n")
 
 
 if __name__ == "__main__":
