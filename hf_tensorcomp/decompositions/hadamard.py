@@ -46,32 +46,38 @@ def rotation_signs(n: int, seed: int = 0) -> torch.Tensor:
 _H: dict = {}
 
 
-def _hadamard(b: int, dtype, device) -> torch.Tensor:
-    key = (b, dtype, str(device))
-    if key not in _H:
-        _H[key] = hadamard_transform(torch.eye(b, dtype=torch.float64)).to(dtype=dtype, device=device)
-    return _H[key]
+def _hadamard(b: int, dtype, device: torch.device) -> torch.Tensor:
+    """The orthonormal b x b Hadamard matrix, built once per (b, dtype, device) (keyed on the device object: no
+    string per call on the forward's path)."""
+    key = (b, dtype, device)
+    h = _H.get(key)
+    if h is None:
+        h = _H[key] = hadamard_transform(torch.eye(b, dtype=torch.float64)).to(dtype=dtype, device=device)
+    return h
+
+
+def _per_block(x: torch.Tensor, signs: torch.Tensor, block: int, signs_first: bool) -> torch.Tensor:
+    """Signs and a Hadamard per block along the last dim, in the order asked (H_b is symmetric, so one routine
+    serves ``x R`` and ``x Rᵀ``). A half-precision input on CPU is transformed in float32 and returned in its
+    dtype: a bfloat16 product of these shapes costs ~5x the float32 one on CPUs without native bfloat16
+    (measured at 1536 inputs, one thread). The int8 signs multiply as they are (type promotion): no float copy
+    of them to keep in step with the buffer."""
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        return _per_block(x.float(), signs, block, signs_first).to(x.dtype)
+    if signs_first:
+        x = x * signs
+    y = (x.reshape(-1, block) @ _hadamard(block, x.dtype, x.device)).reshape(x.shape)
+    return y if signs_first else y * signs
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
-    """``x R`` along the last dim (rows of a weight, or a layer's inputs): signs, then a Hadamard per block
-    (one (.. x b) @ (b x b) product; H_b is symmetric). A half-precision input on CPU is rotated in float32 and
-    returned in its dtype: a bfloat16 product of these shapes costs ~5x the float32 one on CPUs without native
-    bfloat16 (measured at 1536 inputs, one thread). The int8 signs multiply as they are (type promotion): no
-    float copy of them to keep in step with the buffer."""
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-        return rotate(x.float(), signs, block).to(x.dtype)
-    y = (x * signs).reshape(-1, block) @ _hadamard(block, x.dtype, x.device)
-    return y.reshape(x.shape)
+    """``x R`` along the last dim (rows of a weight, or a layer's inputs): signs, then a Hadamard per block."""
+    return _per_block(x, signs, block, signs_first=True)
 
 
 def unrotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
-    """``x Rᵀ`` (the inverse of `rotate`): a Hadamard per block, then the signs (half precision on CPU in float32,
-    as in `rotate`)."""
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-        return unrotate(x.float(), signs, block).to(x.dtype)
-    y = x.reshape(-1, block) @ _hadamard(block, x.dtype, x.device)
-    return y.reshape(x.shape) * signs
+    """``x Rᵀ`` (the inverse of `rotate`): a Hadamard per block, then the signs."""
+    return _per_block(x, signs, block, signs_first=False)
 
 
 def rotate_gram(gram: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
