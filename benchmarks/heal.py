@@ -99,6 +99,12 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b56_act_all_481w_300s"] = HEAL_OVERRIDES["qlr_byt
 # and on the rotated model (rotate=True, qlr's default)
 ROWS["qlr_bytes_0.27_b56_act_rot_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b56_act_all_481w_300s"], "rotate": True}
 HEAL_OVERRIDES["qlr_bytes_0.27_b56_act_rot_all_481w_300s"] = HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"]
+# rotated allocations without the 2-bit rung (3, 4, 5, 6 and 8 bits), 150 steps
+for _b in ("0.21", "0.27"):
+    ROWS[f"qlr_bytes_{_b}_b3568_act_rot_all_481w_150s"] = {**ROWS["qlr_bytes_0.27_b56_act_rot_all_481w_300s"],
+                                                          "target_bytes": float(_b), "bit_choices": [3, 4, 5, 6, 8]}
+    HEAL_OVERRIDES[f"qlr_bytes_{_b}_b3568_act_rot_all_481w_150s"] = {
+        **HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"], "steps": 150}
 
 
 def _one(job: dict, q) -> None:

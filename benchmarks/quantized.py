@@ -140,6 +140,7 @@ for _r in ("gptq3_search_act", "gptq4_search_act", "gptq5_search_act", "qlr_byte
 ROWS["qlr_bytes_0.27_b4568_act_rot"] = {**ROWS["qlr_bytes_0.27_b56_act_rot"], "bit_choices": [4, 5, 6, 8]}
 ROWS["qlr_bytes_0.21_b348_act_rot"] = {**ROWS["qlr_bytes_0.21_b348_act"], "rotate": True}
 ROWS["qlr_bytes_0.21_b3568_act_rot"] = {**ROWS["qlr_bytes_0.21_b56_act_rot"], "bit_choices": [3, 4, 5, 6, 8]}
+ROWS["qlr_bytes_0.27_b3568_act_rot"] = {**ROWS["qlr_bytes_0.27_b56_act_rot"], "bit_choices": [3, 4, 5, 6, 8]}
 
 
 def _linear_bytes(model) -> tuple[int, int]:
