@@ -33,8 +33,10 @@ ROWS = {
     "rtn4": {"method": "qlr", "rank": 0, "quantizer": "rtn", "whiten": False},
     "rtn4_r32": {"method": "qlr", "rank": 32, "quantizer": "rtn", "rounds": 1},
     # a byte budget's mix of widths and ranks (2, 3, 4 bits run the int4 kernel, 8 bits two calls of it)
-    "bytes0.27": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher"},
-    "bytes0.33": {"method": "qlr", "target_bytes": 0.33, "quantizer": "rtn", "rounds": 1, "allocation": "fisher"},
+    "bytes0.27": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",
+                  "bit_choices": [2, 3, 4, 5, 6, 8]},
+    "bytes0.33": {"method": "qlr", "target_bytes": 0.33, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",
+                  "bit_choices": [2, 3, 4, 5, 6, 8]},
     # the main job's shapes: 4-bit + rank 32 with the embedding and the tied head as 8-bit codes
     "rtn4_r32_emb8": {"method": "qlr", "rank": 32, "quantizer": "rtn", "rounds": 1, "embedding_bits": 8},
     "bytes0.27_b34": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",

@@ -94,7 +94,8 @@ ROWS["qlr_bytes_0.27_b3_act_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b3"], "act
 HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b3_all_481w_300s"],
                                                          "precision": "auto"}
 # the same on the allocation with every width (2, 3, 4, 5, 6 and 8 bits)
-ROWS["qlr_bytes_0.27_b56_act_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b3_act_all_481w_300s"], "bit_choices": None}
+ROWS["qlr_bytes_0.27_b56_act_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b3_act_all_481w_300s"],
+                                                "bit_choices": [2, 3, 4, 5, 6, 8]}
 HEAL_OVERRIDES["qlr_bytes_0.27_b56_act_all_481w_300s"] = HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"]
 # and on the rotated model (rotate=True, qlr's default)
 ROWS["qlr_bytes_0.27_b56_act_rot_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b56_act_all_481w_300s"], "rotate": True}

@@ -130,8 +130,8 @@ for _r in ("qlr_bytes_0.21_b348", "qlr_bytes_0.27_b48", "qlr_bytes_0.33_b3", "ql
 for _b in (5, 6):
     ROWS[f"gptq{_b}_search_act"] = {**ROWS["gptq4_search"], "bits": _b, "act_order": True}
 for _b in ("0.27", "0.33", "0.40"):
-    ROWS[f"qlr_bytes_{_b}_b56_act"] = {**ROWS[f"qlr_bytes_{_b}_b3"], "act_order": True, "bit_choices": None}
-ROWS["qlr_bytes_0.21_b56_act"] = {**ROWS["qlr_bytes_0.21_b3"], "act_order": True, "bit_choices": None}
+    ROWS[f"qlr_bytes_{_b}_b56_act"] = {**ROWS[f"qlr_bytes_{_b}_b3"], "act_order": True, "bit_choices": [2, 3, 4, 5, 6, 8]}
+ROWS["qlr_bytes_0.21_b56_act"] = {**ROWS["qlr_bytes_0.21_b3"], "act_order": True, "bit_choices": [2, 3, 4, 5, 6, 8]}
 # the same with each matrix quantized in a random block-Hadamard basis of its inputs (rotate=True)
 for _r in ("gptq3_search_act", "gptq4_search_act", "gptq5_search_act", "qlr_bytes_0.21_b56_act", "qlr_bytes_0.27_b56_act",
            "qlr_bytes_0.33_b56_act", "qlr_bytes_0.27_b48_act"):

@@ -161,6 +161,19 @@ def test_every_allocation_meets_the_byte_budget(tiny_dirs, allocation, kw):
         assert "fisher_fallback" not in m.config.quantization_config.stats["calibration"]
 
 
+@pytest.mark.parametrize("target, two_bits", [(0.3, False), (0.25, True)])
+def test_default_widths_take_2_bits_only_below_3_bits_everywhere(tiny_dirs, target, two_bits):
+    # groups of 16: 3-bit codes everywhere cost (3 + 24 / 16) / 16 = 0.281 of the bf16 bytes; below that the
+    # budget cannot be met without 2-bit matrices, above it the ladder leaves them out
+    from hf_tensorcomp.methods import get_method
+
+    cfg = TensorCompressionConfig(method="qlr", target_bytes=target, calibration=calib(), group_size=16)
+    assert (2 in get_method("qlr")._default_bits(cfg.entries[0])) == two_bits
+    m = _qlr(tiny_dirs, target_bytes=target, rotate=False, grid="minmax")
+    bits = {st["bits"] for st in m.config.quantization_config.stats["modules"].values()}
+    assert (2 in bits) == two_bits and bits <= {2, 3, 4, 5, 6, 8}
+
+
 def test_full_rank_correction_is_exact(tiny_dirs):
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
     m = _qlr(tiny_dirs, rank=48, bits=2, rounds=0)
