@@ -206,7 +206,7 @@ class QuantizedLowRank(Method):
         """`DEFAULT_BITS`, or every width when ``target_bytes`` is below 3-bit codes everywhere (their scale and
         zero per group counted, the rotation's signs not: a budget just above that is still met by 3 bits with a
         few matrices narrower, so 2 bits join there too)."""
-        three = (3 + 24 / entry.group_size) / 16  # code bits + a float16 scale and a uint8 zero per group, over bf16
+        three = stored_bytes((1, entry.group_size), 3, entry.group_size) / (2 * entry.group_size)  # over bf16
         return DEFAULT_BITS if entry.options["target_bytes"] >= three * 1.02 else BITS
 
     def ladder(self, name, module, stats, entry, bits=None, ranks=RANK_RUNGS, group_size=None, copies=1, table=False):
