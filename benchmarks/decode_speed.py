@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import _without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model, run_rows  # noqa: E402
+from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
 NAME = "decode_speed"
 DEFAULTS = {
@@ -34,9 +35,9 @@ ROWS = {
     "rtn4_r32": {"method": "qlr", "rank": 32, "quantizer": "rtn", "rounds": 1},
     # a byte budget's mix of widths and ranks (2, 3, 4 bits run the int4 kernel, 8 bits two calls of it)
     "bytes0.27": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",
-                  "bit_choices": [2, 3, 4, 5, 6, 8]},
+                  "bit_choices": list(BITS)},
     "bytes0.33": {"method": "qlr", "target_bytes": 0.33, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",
-                  "bit_choices": [2, 3, 4, 5, 6, 8]},
+                  "bit_choices": list(BITS)},
     # the main job's shapes: 4-bit + rank 32 with the embedding and the tied head as 8-bit codes
     "rtn4_r32_emb8": {"method": "qlr", "rank": 32, "quantizer": "rtn", "rounds": 1, "embedding_bits": 8},
     "bytes0.27_b34": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",

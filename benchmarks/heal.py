@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, bench_main, child_setup, markdown_table, per_model, ppl_both, ratio_plot, run_rows, wikihow  # noqa: E402
+from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 from quantized import _linear_bytes  # noqa: E402
 
 NAME = "heal"
@@ -95,17 +96,16 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"] = {**HEAL_OVERRIDES["qlr_b
                                                          "precision": "auto"}
 # the same on the allocation with every width (2, 3, 4, 5, 6 and 8 bits)
 ROWS["qlr_bytes_0.27_b56_act_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b3_act_all_481w_300s"],
-                                                "bit_choices": [2, 3, 4, 5, 6, 8]}
+                                                "bit_choices": list(BITS)}
 HEAL_OVERRIDES["qlr_bytes_0.27_b56_act_all_481w_300s"] = HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"]
 # and on the rotated model (rotate=True, qlr's default)
 ROWS["qlr_bytes_0.27_b56_act_rot_all_481w_300s"] = {**ROWS["qlr_bytes_0.27_b56_act_all_481w_300s"], "rotate": True}
 HEAL_OVERRIDES["qlr_bytes_0.27_b56_act_rot_all_481w_300s"] = HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"]
-# rotated allocations without the 2-bit rung (3, 4, 5, 6 and 8 bits), 150 steps
-for _b in ("0.21", "0.27"):
-    ROWS[f"qlr_bytes_{_b}_b3568_act_rot_all_481w_150s"] = {**ROWS["qlr_bytes_0.27_b56_act_rot_all_481w_300s"],
-                                                          "target_bytes": float(_b), "bit_choices": [3, 4, 5, 6, 8]}
-    HEAL_OVERRIDES[f"qlr_bytes_{_b}_b3568_act_rot_all_481w_150s"] = {
-        **HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"], "steps": 150}
+# the rotated 3-bit class without the 2-bit rung (3, 4, 5, 6 and 8 bits), 150 steps
+ROWS["qlr_bytes_0.21_b3568_act_rot_all_481w_150s"] = {**ROWS["qlr_bytes_0.27_b56_act_rot_all_481w_300s"],
+                                                     "target_bytes": 0.21, "bit_choices": [3, 4, 5, 6, 8]}
+HEAL_OVERRIDES["qlr_bytes_0.21_b3568_act_rot_all_481w_150s"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"],
+                                                                "steps": 150}
 
 
 def _one(job: dict, q) -> None:

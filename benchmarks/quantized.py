@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model,  # noqa: E402
                     ppl_both, ratio_plot, run_rows, wikihow)
+from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
 NAME = "quantized"
 DEFAULTS = {
@@ -130,8 +131,8 @@ for _r in ("qlr_bytes_0.21_b348", "qlr_bytes_0.27_b48", "qlr_bytes_0.33_b3", "ql
 for _b in (5, 6):
     ROWS[f"gptq{_b}_search_act"] = {**ROWS["gptq4_search"], "bits": _b, "act_order": True}
 for _b in ("0.27", "0.33", "0.40"):
-    ROWS[f"qlr_bytes_{_b}_b56_act"] = {**ROWS[f"qlr_bytes_{_b}_b3"], "act_order": True, "bit_choices": [2, 3, 4, 5, 6, 8]}
-ROWS["qlr_bytes_0.21_b56_act"] = {**ROWS["qlr_bytes_0.21_b3"], "act_order": True, "bit_choices": [2, 3, 4, 5, 6, 8]}
+    ROWS[f"qlr_bytes_{_b}_b56_act"] = {**ROWS[f"qlr_bytes_{_b}_b3"], "act_order": True, "bit_choices": list(BITS)}
+ROWS["qlr_bytes_0.21_b56_act"] = {**ROWS["qlr_bytes_0.21_b3"], "act_order": True, "bit_choices": list(BITS)}
 # the same with each matrix quantized in a random block-Hadamard basis of its inputs (rotate=True)
 for _r in ("gptq3_search_act", "gptq4_search_act", "gptq5_search_act", "qlr_bytes_0.21_b56_act", "qlr_bytes_0.27_b56_act",
            "qlr_bytes_0.33_b56_act", "qlr_bytes_0.27_b48_act"):
