@@ -35,6 +35,7 @@ from .calibration.data import calibration_tokenizer, describe
 from .config import TensorCompressionConfig, table_entry
 from .decompositions.quantize import QTensor, stored_bytes
 from .layers import FactorizedModule
+from .layers.qlr import share_input_rotations
 from .methods import get_method
 from .layout import embedding_names, set_tied_embeddings
 from .plan import find_decoder_layers, model_context, plan
@@ -109,6 +110,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
         model.train(was_training)
     record(model, config, (params_before, bytes_before), time.perf_counter() - t0, module_stats, finished, runner,
            allocation)  # 5.
+    share_input_rotations(model)  # q / k / v and gate / up rotate their common input once
     if healer is not None:
         config.stats = {**config.stats, "heal": healer.report()}
     elif config.heal:  # 6. heal: distil toward the dense model this one was made from

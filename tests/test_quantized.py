@@ -341,6 +341,44 @@ def test_rotated_qlr_is_the_quantizer_of_w_r_and_computes_its_product(tiny_dirs,
     assert st["bytes_after"] - plain["bytes_after"] == n_in  # one byte per input for the signs
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_a_shared_input_is_rotated_once_with_bit_identical_outputs(tiny_dirs, ids, tmp_path, monkeypatch, arch):
+    """q / k / v read the attention's input and gate / up the MLP's: with the rotation handed over by the parent,
+    4 rotations a layer instead of 7, the same logits to the bit, after a reload too; a child called on
+    another tensor rotates that one."""
+    import hf_tensorcomp.layers.qlr as qlr_layer
+
+    cfg = TensorCompressionConfig(method="qlr", calibration=calib(), progress=False, group_size=16, rank=4, rotate=True)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], quantization_config=cfg).eval()
+    calls = []
+    rotate = qlr_layer.rotate
+    monkeypatch.setattr(qlr_layer, "rotate", lambda x, *a: calls.append(x.shape[-1]) or rotate(x, *a))
+    with torch.no_grad():
+        shared = m(ids).logits
+    layers = len(m.model.layers)
+    assert len(calls) == 4 * layers
+    attn = m.model.layers[0].self_attn
+    assert all("_rotated_input" not in p.__dict__ for p in (attn.q_proj, attn.k_proj, attn.v_proj))  # dropped after
+    for mod in m.modules():  # without the hand-off: every child rotates its own input
+        for handle in mod.__dict__.pop("_rotation_hooks", ()):
+            handle.remove()
+    calls.clear()
+    with torch.no_grad():
+        alone = m(ids).logits
+    assert len(calls) == 7 * layers and torch.equal(shared, alone)
+    m.save_pretrained(tmp_path / "m")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    calls.clear()
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, shared) and len(calls) == 4 * layers
+    q = back.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 3, q.in_features)
+    with torch.no_grad():
+        own = q(x)
+        q.__dict__["_rotated_input"] = (torch.zeros_like(x), torch.zeros_like(x))  # a stale hand-off, another tensor
+        assert torch.equal(q(x), own)
+
+
 def test_compressed_tensors_base_refuses_a_rotated_model(tiny_dirs, tmp_path):
     from hf_tensorcomp.integration.peft import export_qlr
 

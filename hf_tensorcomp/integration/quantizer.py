@@ -19,6 +19,7 @@ from .. import checks, pipeline, surgery
 from ..plan import plan
 from .io import make_save_atomic
 from ..config import QUANT_METHOD, TensorCompressionConfig
+from ..layers.qlr import share_input_rotations
 from ..methods import get_method
 
 register_quantization_config(QUANT_METHOD)(TensorCompressionConfig)
@@ -70,6 +71,7 @@ class TensorCompQuantizer(HfQuantizer):
         make_save_atomic(model)  # save_pretrained writes a temporary folder and swaps it in
         if self.pre_quantized:
             checks.check_loaded(model)  # factors finite, EinSort indices valid
+            share_input_rotations(model)
         else:
             if _is_offloaded(getattr(model, "hf_device_map", None)):
                 self.validate_environment(device_map=model.hf_device_map)

@@ -10,6 +10,10 @@ correction costs 2 r (in + out) flops per token (in float32 on CPU at inference,
 With ``rotation_block`` b (``qlr``'s ``rotate=True``) the codes are those of W R, R a random block-Hadamard
 rotation (`decompositions.hadamard`; its signs in the ``input_signs`` buffer): the layer computes
 (W R)(Rᵀ x), rotating its input first (one b x b product per block of inputs), the correction on x itself.
+Layers that read one input with the same rotation (q / k / v of an attention, gate / up of an MLP: the
+signs are seeded per input width) share its product through `share_input_rotations`: the parent rotates
+its input once per call and hands it to them (a rotation each at decode costs about a tenth of the int4
+product it precedes).
 """
 
 from __future__ import annotations
@@ -65,7 +69,10 @@ class QuantizedLowRankLinear(FactorizedModule):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xr = rotate(x, self.input_signs, self.rotation_block) if self.rotation_block else x
+        xr = x
+        if self.rotation_block:
+            given = self.__dict__.get("_rotated_input")  # (x, x R) from the parent's call (`share_input_rotations`)
+            xr = given[1] if given is not None and given[0] is x else rotate(x, self.input_signs, self.rotation_block)
         y = self.factor_linear(xr, "weight", self.bias)
         if self.rank:
             if x.dtype == torch.bfloat16 and x.device.type == "cpu":
@@ -118,3 +125,52 @@ class QuantizedLowRankLinear(FactorizedModule):
         bits = f", bits={q[0]}, group_size={q[1]}" if q else ""
         rot = f", rotation_block={self.rotation_block}" if self.rotation_block else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}{bits}{rot}"
+
+
+# The children of one module that read the module's own input in transformers' decoder layers (LlamaAttention,
+# Gemma3Attention, Qwen3Attention, ... call q / k / v on `hidden_states` as it comes, the MLPs gate / up).
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def share_input_rotations(model: nn.Module) -> int:
+    """Rotate a module's input once for its rotated `QuantizedLowRankLinear` children of `SHARED_INPUTS` with
+    the same block and signs; returns the number of groups. The parent's forward pre-hook hands each child
+    (x, x R); a child uses it only when its input *is* that x (the same tensor object, as transformers passes
+    it), else rotates on its own, so a parent that feeds them something else still computes the same thing;
+    a post-hook (run on errors too) drops the hand-off. Outputs are bit-identical with and without. Called
+    after compression and after loading; calling it again replaces the hooks (after a module swap)."""
+    groups = 0
+    for parent in model.modules():
+        for handle in parent.__dict__.pop("_rotation_hooks", ()):
+            handle.remove()
+        hooks = []
+        for names in SHARED_INPUTS:
+            members = [m for m in (getattr(parent, n, None) for n in names)
+                       if isinstance(m, QuantizedLowRankLinear) and m.rotation_block]
+            lead = members[0] if members else None
+            members = [m for m in members if m.rotation_block == lead.rotation_block and m.input_signs.device.type != "meta"
+                       and torch.equal(m.input_signs, lead.input_signs)]
+            if len(members) > 1:
+                hooks += _hand_off(parent, members)
+                groups += 1
+        if hooks:
+            parent.__dict__["_rotation_hooks"] = hooks
+    return groups
+
+
+def _hand_off(parent: nn.Module, members: list) -> list:
+    lead = members[0]
+
+    def give(module, args, kwargs):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        if isinstance(x, torch.Tensor) and x.shape[-1] == lead.in_features:
+            given = (x, rotate(x, lead.input_signs, lead.rotation_block))
+            for m in members:
+                m.__dict__["_rotated_input"] = given
+
+    def drop(module, args, kwargs, output):
+        for m in members:
+            m.__dict__.pop("_rotated_input", None)
+
+    return [parent.register_forward_pre_hook(give, with_kwargs=True),
+            parent.register_forward_hook(drop, with_kwargs=True, always_call=True)]
