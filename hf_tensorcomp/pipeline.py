@@ -523,7 +523,8 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
             field = "target_bytes" if m.byte_budget else "target"
             table_note = f" (the embedding table's {ladders[table][0][0]:,.0f} included)" if table is not None else ""
             raise ValueError(f"TensorCompressionConfig.{field}: got {m.budget(entry)}; {e}{table_note}; allowed: a larger "
-                             f"{field}" + (", or embedding_bits=4 | 'auto'" if table is not None else "")) from None
+                             f"{field}" + (", or embedding_bits=4 | 'auto'" if table is not None else "")
+                             + m.budget_hint(entry)) from None
         spent = sum(ladders[n][0][j] for n, j in rungs.items())
         out[k] = {"target": m.budget(entry), "params_targeted": total, "params_kept": spent,
                   "kept_fraction": round(spent / total, 6)}

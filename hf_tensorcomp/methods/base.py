@@ -147,6 +147,11 @@ class Method:
         unit: parameters, or bf16 parameters' worth of bytes for methods whose budget is bytes)."""
         return entry.target
 
+    def budget_hint(self, entry) -> str:
+        """What else, besides a larger budget, lets an allocation this entry's budget cannot meet go through
+        (appended to the error's "allowed:"; empty when nothing)."""
+        return ""
+
     def ladder_needs(self, entry) -> frozenset:
         """Statistics the `target` allocation reads (gathered in a first pass over the dense model)."""
         return frozenset()

@@ -209,6 +209,11 @@ class QuantizedLowRank(Method):
         three = stored_bytes((1, entry.group_size), 3, entry.group_size) / (2 * entry.group_size)  # over bf16
         return DEFAULT_BITS if entry.options["target_bytes"] >= three * 1.02 else BITS
 
+    def budget_hint(self, entry) -> str:
+        if entry.options["bit_choices"] is None and self._default_bits(entry) == DEFAULT_BITS:
+            return f", or bit_choices={list(BITS)} (the default leaves 2-bit codes out at this budget)"
+        return ""
+
     def ladder(self, name, module, stats, entry, bits=None, ranks=RANK_RUNGS, group_size=None, copies=1, table=False):
         """Rungs (bits, rank) on the Pareto front of (bytes, loss), costs in bf16 parameters (bytes / 2)
         so that the budget is `target_bytes` x the targeted parameters; the loss as ``allocation`` says.
