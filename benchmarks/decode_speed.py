@@ -1,11 +1,13 @@
 """Decode speed of 4-bit weights: the dense model, optimum-quanto int4 and hf_tensorcomp's 4-bit codes
-(`qlr` without and with a rank-32 correction), in float32 and in bfloat16.
+(`qlr` without and with a rank-32 correction, without and with the input rotation), in float32 and bfloat16.
 
 hf_tensorcomp's 4-bit weights run PyTorch's CPU int4 kernel in both dtypes (float32 activations are
 rounded to bfloat16 for the product, the kernel's only input type); the correction's two thin products
 run in float32 in both. Speed depends on the shapes only, not on the codes, so the rows use the
 round-to-nearest quantizer (GPTQ gives the same speed after a longer compression). Greedy decode,
-batch 1, 32-token prompt, 32 new tokens, median of 3; each model in its own child process.
+batch 1, 32-token prompt, 32 new tokens. Timings on a shared machine drift by tens of percent within
+minutes, so every row of a model is built in one child process and timed in turns: `rounds` rounds,
+each decoding once with every row (after a 4-token warm-up), the median and the best round reported.
 
     python benchmarks/decode_speed.py
     python benchmarks/decode_speed.py --report-only
@@ -14,21 +16,23 @@ batch 1, 32-token prompt, 32 new tokens, median of 3; each model in its own chil
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import _without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model, run_rows  # noqa: E402
+from common import _without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model  # noqa: E402
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
 NAME = "decode_speed"
 DEFAULTS = {
     "models": ["smollm2", "gemma3"],
     # the budget rows (bytes*) run on request (--recipe): each needs a one-thread Fisher calibration pass per model
-    "rows": ["dense", "quanto_int4", "rtn4", "rtn4_rot", "rtn4_r32", "rtn4_r32_emb8"],
+    "rows": ["dense", "quanto_int4", "rtn4", "rtn4_rot_each", "rtn4_rot", "rtn4_r32", "rtn4_r32_rot", "rtn4_r32_rot_emb8"],
     "group_size": 128,
     "calibration_samples": 32,
     "calibration_length": 256,
-    "threads": 1,  # the other core was busy with another one-thread benchmark in the published run
+    "threads": 1,
+    "rounds": 5,
 }
 ROWS = {
     "rtn4": {"method": "qlr", "rank": 0, "quantizer": "rtn", "whiten": False},
@@ -45,38 +49,91 @@ ROWS = {
 }
 for _f in ROWS.values():  # without the input rotation (qlr's default); `_rot` rows with it: one block-Hadamard
     _f["rotate"] = False  # product on each layer's input before the int4 kernel (the rotation's cost: the ratio)
-ROWS["rtn4_rot"], ROWS["bytes0.27_rot"] = ({**ROWS[r], "rotate": True} for r in ("rtn4", "bytes0.27"))
+ROWS["rtn4_rot"], ROWS["rtn4_r32_rot"], ROWS["rtn4_r32_rot_emb8"], ROWS["bytes0.27_rot"] = (
+    {**ROWS[r], "rotate": True} for r in ("rtn4", "rtn4_r32", "rtn4_r32_emb8", "bytes0.27"))
+ROWS["rtn4_rot_each"] = {**ROWS["rtn4_rot"], "share": False}  # every linear rotating its own input
 
 
-def _one(job: dict, q) -> None:
+def _build(job: dict, path, label: str, dtype, compressed: dict):
+    """The row's model in `dtype`: compressed rows once (in float32, then cast: codes and float16 scales stay)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from hf_tensorcomp import TensorCompressionConfig
     from quantized import _quanto
 
-    path, tok, row = child_setup(job)
-    if job["row"] in ROWS:
-        cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", calibration_samples=job["calibration_samples"],
-                                      calibration_length=job["calibration_length"], group_size=job["group_size"],
-                                      **ROWS[job["row"]])
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg).eval()
-    for dtype, key in ((torch.float32, "tok_s_fp32"), (torch.bfloat16, "tok_s_bf16")):
-        if job["row"] in ROWS:
-            model.to(dtype)  # the codes and their float16 scales stay as stored
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-            if job["row"] == "quanto_int4":
-                _quanto(model, 4)
-                _without_inference_mode(model)  # quanto's int4 weights fail under inference mode
+    if label in ROWS:
+        if label not in compressed:
+            opts = dict(ROWS[label])
+            share = opts.pop("share", True)
+            cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", group_size=job["group_size"],
+                                          calibration_samples=job["calibration_samples"],
+                                          calibration_length=job["calibration_length"], **opts)
+            compressed[label] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                     quantization_config=cfg).eval()
+            if not share:  # each rotated linear rotates its own input
+                for mod in compressed[label].modules():
+                    for handle in mod.__dict__.pop("_rotation_hooks", ()):
+                        handle.remove()
+        return compressed[label].to(dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    if label == "quanto_int4":
+        _quanto(model, 4)
+        _without_inference_mode(model)  # quanto's int4 weights fail under inference mode
+    return model
+
+
+def _model(job: dict, q) -> None:
+    """Every row of one model, timed in turns (see the module docstring)."""
+    import statistics
+
+    import torch
+
+    path, tok, _ = child_setup({**job, "row": None})
+    out = {label: {"model": job["model"], "row": label, "rounds": job["rounds"]} for label in job["rows"]}
+    compressed: dict = {}
+    for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        models = {label: _build(job, path, label, dtype, compressed) for label in job["rows"]}
+        speeds = {label: [] for label in job["rows"]}
         with torch.no_grad():
-            row[key] = decode_tokens_per_s(model, tok)
-        print(job["model"], job["row"], key, round(row[key], 2), flush=True)
-    q.put(row)
+            for k in range(job["rounds"]):
+                for label, model in models.items():
+                    speeds[label].append(decode_tokens_per_s(model, tok, repeats=1))
+                print(job["model"], key, "round", k, {lb: round(v[-1], 2) for lb, v in speeds.items()}, flush=True)
+        for label, v in speeds.items():
+            out[label].update({f"tok_s_{key}": statistics.median(v), f"tok_s_{key}_best": max(v), f"tok_s_{key}_all": v})
+        del models
+    q.put(list(out.values()))
 
 
 def run(cfg: dict) -> list[dict]:
-    return run_rows(NAME, cfg["rows"], cfg["models"], cfg, _one)
+    """One child per model whose rows are not all in ``results/decode_speed.json``; its rows replace that
+    model's old ones (ratios only within one run)."""
+    import json
+    import multiprocessing as mp
+
+    from common import RESULTS, write_json
+
+    path = RESULTS / f"{NAME}.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    labels = list(dict.fromkeys(["dense", *cfg["rows"]]))
+    ctx = mp.get_context("spawn")
+    for model in cfg["models"]:
+        if {(model, lb) for lb in labels} <= {(r["model"], r["row"]) for r in rows}:
+            continue
+        q = ctx.Queue()
+        p = ctx.Process(target=_model, args=({**cfg, "model": model, "rows": labels}, q))
+        p.start()
+        while p.is_alive() and q.empty():
+            time.sleep(1)
+        if q.empty():
+            print(f"{model}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
+            continue
+        new = q.get()
+        p.join()
+        rows = [r for r in rows if r["model"] != model] + new
+        write_json(f"{NAME}.json", rows)
+    return rows
 
 
 def report(rows: list[dict]) -> str:
@@ -85,31 +142,36 @@ def report(rows: list[dict]) -> str:
         for r in rs:
             for k in ("fp32", "bf16"):
                 r[f"x_{k}"] = r[f"tok_s_{k}"] / dense[f"tok_s_{k}"]
+                r[f"x_{k}_best"] = r.get(f"tok_s_{k}_best", r[f"tok_s_{k}"]) / dense.get(f"tok_s_{k}_best", dense[f"tok_s_{k}"])
             r["x_bf16_vs_fp32_dense"] = r["tok_s_bf16"] / dense["tok_s_fp32"]
         out.append(f"### {model}\n")
         out.append(markdown_table(rs, [
-            ("row", "row", "{}"), ("tok_s_fp32", "tok/s float32", "{:.1f}"), ("x_fp32", "vs dense float32", "{:.2f}x"),
-            ("tok_s_bf16", "tok/s bfloat16", "{:.1f}"), ("x_bf16", "vs dense bfloat16", "{:.2f}x"),
+            ("row", "row", "{}"), ("tok_s_fp32", "tok/s float32 (median)", "{:.1f}"), ("x_fp32", "vs dense float32", "{:.2f}x"),
+            ("x_fp32_best", "best rounds' ratio", "{:.2f}x"), ("tok_s_bf16", "tok/s bfloat16 (median)", "{:.1f}"),
+            ("x_bf16", "vs dense bfloat16", "{:.2f}x"), ("x_bf16_best", "best rounds' ratio", "{:.2f}x"),
             ("x_bf16_vs_fp32_dense", "bfloat16 vs dense float32", "{:.2f}x")]))
         out.append("")
     return "\n".join(out)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """No plot: a table of six numbers per model says it."""
+    """No plot: a table of a few numbers per model says it."""
 
 
 def header(cfg: dict) -> str:
     return ("# Decode speed of 4-bit weights, float32 and bfloat16\n\n"
             f"Batch 1, greedy, 32 new tokens after a 32-token prompt, {cfg['threads']} thread(s), groups of "
-            f"{cfg['group_size']}; one child process per model and row. `rtn4`: hf_tensorcomp's 4-bit codes "
-            "(`qlr`, rank 0, `rotate=False`); `rtn4_rot`: the same with the input rotation (`qlr`'s default: one "
-            "block-Hadamard product on each layer's input); `rtn4_r32`: plus a rank-32 whitened correction; `bytes0.27`: "
-            "`target_bytes=0.27` (Fisher allocation over every width, 2, 3, 4, 5, 6 and 8 bits, and ranks; round to "
-            "nearest), `bytes0.27_rot` rotated, `bytes0.27_b34`: over 3 and 4 bits; `bytes0.33`: `target_bytes=0.33`; "
-            "`rtn4_r32_emb8`: `rtn4_r32` with the embedding and the tied head as 8-bit codes (the budget rows run on request). "
-            "2-, 3- and 4-bit codes run PyTorch's CPU int4 kernel, 5-, 6- and 8-bit codes two calls of it. Every row "
-            "from one run, nothing else running. Written by benchmarks/decode_speed.py.\n\n")
+            f"{cfg['group_size']}; every row of a model in one child process, timed in turns: {cfg['rounds']} rounds, "
+            "each decoding once with every row; the median of the rounds and the ratio of the best rounds. `rtn4`: "
+            "hf_tensorcomp's 4-bit codes (`qlr`, rank 0, `rotate=False`); `rtn4_rot`: the same with the input rotation "
+            "(`qlr`'s default: a block-Hadamard product on each input, q / k / v and gate / up sharing theirs: four a "
+            "layer); `rtn4_rot_each`: every linear rotating its own input (seven a layer); `rtn4_r32`: plus a rank-32 "
+            "whitened correction, `rtn4_r32_rot` rotated; `rtn4_r32_rot_emb8`: with the embedding and the tied head "
+            "as 8-bit codes too (the main job's shapes). On request (`--recipe`): `bytes0.27`: `target_bytes=0.27` "
+            "(Fisher allocation over every width, 2, 3, 4, 5, 6 and 8 bits, and ranks; round to nearest), "
+            "`bytes0.27_rot` rotated, `bytes0.27_b34`: over 3 and 4 bits; `bytes0.33`: `target_bytes=0.33`. "
+            "2-, 3- and 4-bit codes run PyTorch's CPU int4 kernel, 5-, 6- and 8-bit codes two calls of it. Nothing "
+            "else running. Written by benchmarks/decode_speed.py.\n\n")
 
 
 if __name__ == "__main__":
