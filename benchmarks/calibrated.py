@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import resource
 import sys
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, load_recipe, markdown_table, per_model, write_json  # noqa: E402
+from common import RESULTS, in_child, load_recipe, markdown_table, per_model, write_json  # noqa: E402
 
 DEFAULTS = {
     "models": ["smollm2", "gemma3"],
@@ -161,7 +160,6 @@ def run(cfg: dict) -> list[dict]:
     path = RESULTS / f"{NAME}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     done = {(r["model"], r["variant"], r["target"]) for r in rows}
-    ctx = mp.get_context("spawn")
     # in priority order (dense and peers, then each variant for both models), so a cut-short run has what matters
     if cfg["jobs"]:
         order = [tuple(j) for j in cfg["jobs"]]
@@ -172,17 +170,9 @@ def run(cfg: dict) -> list[dict]:
     for model, variant, target in order:
         if (model, variant, target) in done:
             continue
-        job = {**cfg, "model": model, "variant": variant, "target": target}
-        q = ctx.Queue()
-        p = ctx.Process(target=_one, args=(job, q))
-        p.start()
-        while p.is_alive() and q.empty():
-            time.sleep(1)
-        if q.empty():
-            print(f"{model} {variant} {target}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
+        row = in_child(_one, {**cfg, "model": model, "variant": variant, "target": target}, f"{model} {variant} {target}")
+        if row is None:
             continue
-        row = q.get()
-        p.join()
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("ranks", "kept_dense")}), flush=True)
         write_json(f"{NAME}.json", rows)

@@ -133,29 +133,38 @@ def interleaved(models: dict, measures: dict, rounds: int = 3) -> dict:
     return {k: statistics.median(v) for k, v in got.items()}
 
 
+def in_child(target, job: dict, what: str):
+    """``target(job, queue)`` in a fresh (spawned) process, so its peak memory and thread settings are its
+    own; what it put on the queue, or None (said, with `what`) if the child died first."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(job, q))
+    p.start()
+    while p.is_alive() and q.empty():
+        time.sleep(1)
+    if q.empty():
+        print(f"{what}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
+        return None
+    out = q.get()
+    p.join()
+    return out
+
+
 def run_rows(name: str, labels: list[str], models: list[str], job: dict, target) -> list[dict]:
     """One child process per (label, model) not yet in ``results/<name>.json`` (so its peak memory is its
     own): ``target(job, queue)`` puts the row; each row is appended to the file as soon as it is done."""
-    import multiprocessing as mp
-
     path = RESULTS / f"{name}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     done = {(r["model"], r["row"]) for r in rows}
-    ctx = mp.get_context("spawn")
     for label in labels:
         for model in models:
             if (model, label) in done:
                 continue
-            q = ctx.Queue()
-            p = ctx.Process(target=target, args=({**job, "model": model, "row": label}, q))
-            p.start()
-            while p.is_alive() and q.empty():
-                time.sleep(1)
-            if q.empty():
-                print(f"{model} {label}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
+            row = in_child(target, {**job, "model": model, "row": label}, f"{model} {label}")
+            if row is None:
                 continue
-            row = q.get()
-            p.join()
             print(json.dumps(row), flush=True)
             rows = _append_row(name, row)
     return rows

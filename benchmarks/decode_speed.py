@@ -16,7 +16,6 @@ each decoding once with every row (after a 4-token warm-up), the median and the 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -110,27 +109,18 @@ def run(cfg: dict) -> list[dict]:
     """One child per model whose rows are not all in ``results/decode_speed.json``; its rows replace that
     model's old ones (ratios only within one run)."""
     import json
-    import multiprocessing as mp
 
-    from common import RESULTS, write_json
+    from common import RESULTS, in_child, write_json
 
     path = RESULTS / f"{NAME}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     labels = list(dict.fromkeys(["dense", *cfg["rows"]]))
-    ctx = mp.get_context("spawn")
     for model in cfg["models"]:
         if {(model, lb) for lb in labels} <= {(r["model"], r["row"]) for r in rows}:
             continue
-        q = ctx.Queue()
-        p = ctx.Process(target=_model, args=({**cfg, "model": model, "rows": labels}, q))
-        p.start()
-        while p.is_alive() and q.empty():
-            time.sleep(1)
-        if q.empty():
-            print(f"{model}: the child process failed (exit code {p.exitcode}); skipped", flush=True)
+        new = in_child(_model, {**cfg, "model": model, "rows": labels}, model)
+        if new is None:
             continue
-        new = q.get()
-        p.join()
         rows = [r for r in rows if r["model"] != model] + new
         write_json(f"{NAME}.json", rows)
     return rows
