@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -379,6 +381,12 @@ def test_a_shared_input_is_rotated_once_with_bit_identical_outputs(tiny_dirs, id
     with torch.no_grad():
         alone = m(ids).logits
     assert len(calls) == 7 * layers and torch.equal(shared, alone)
+    qlr_layer.share_input_rotations(m)
+    twin = copy.deepcopy(m)  # the copy's parents hand their input to the copy's children
+    calls.clear()
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, shared) and len(calls) == 4 * layers
+    assert "_rotated_input" not in attn.q_proj.__dict__
     m.save_pretrained(tmp_path / "m")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
     calls.clear()

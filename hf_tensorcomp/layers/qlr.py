@@ -12,7 +12,7 @@ rotation (`decompositions.hadamard`; its signs in the ``input_signs`` buffer): t
 (W R)(Rᵀ x), rotating its input first (one b x b product per block of inputs), the correction on x itself.
 Layers that read one input with the same rotation (q / k / v of an attention, gate / up of an MLP: the
 signs are seeded per input width) share its product through `share_input_rotations`: the parent rotates
-its input once per call and hands it to them (a rotation each at decode costs about a tenth of the int4
+its input once per call and hands it to them (at decode a rotation costs about a sixth of the int4
 product it precedes).
 """
 
@@ -151,26 +151,36 @@ def share_input_rotations(model: nn.Module) -> int:
             members = [m for m in members if m.rotation_block == lead.rotation_block and m.input_signs.device.type != "meta"
                        and torch.equal(m.input_signs, lead.input_signs)]
             if len(members) > 1:
-                hooks += _hand_off(parent, members)
+                hand = _HandOff([n for n in names if getattr(parent, n, None) in members])
+                hooks += [parent.register_forward_pre_hook(hand.give, with_kwargs=True),
+                          parent.register_forward_hook(hand.drop, with_kwargs=True, always_call=True)]
                 groups += 1
         if hooks:
             parent.__dict__["_rotation_hooks"] = hooks
     return groups
 
 
-def _hand_off(parent: nn.Module, members: list) -> list:
-    lead = members[0]
+class _HandOff:
+    """The hooks `share_input_rotations` puts on a parent, for its children `names`: bound methods of an
+    object, not closures, so a model holding them deep-copies and pickles, and a copy's parent hands its
+    input to its own children (found at each call; a child swapped for another kind of module since ends
+    the sharing there)."""
 
-    def give(module, args, kwargs):
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    def give(self, parent, args, kwargs):
         x = kwargs.get("hidden_states", args[0] if args else None)
-        if isinstance(x, torch.Tensor) and x.shape[-1] == lead.in_features:
+        members = [parent._modules.get(n) for n in self.names]
+        lead = members[0]
+        if (isinstance(x, torch.Tensor) and all(isinstance(m, QuantizedLowRankLinear) for m in members)
+                and x.shape[-1] == lead.in_features):
             given = (x, rotate(x, lead.input_signs, lead.rotation_block))
             for m in members:
                 m.__dict__["_rotated_input"] = given
 
-    def drop(module, args, kwargs, output):
-        for m in members:
-            m.__dict__.pop("_rotated_input", None)
-
-    return [parent.register_forward_pre_hook(give, with_kwargs=True),
-            parent.register_forward_hook(drop, with_kwargs=True, always_call=True)]
+    def drop(self, parent, args, kwargs, output):
+        for n in self.names:
+            m = parent._modules.get(n)
+            if m is not None:
+                m.__dict__.pop("_rotated_input", None)
