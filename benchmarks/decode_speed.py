@@ -46,8 +46,8 @@ ROWS = {
     "bytes0.27_b34": {"method": "qlr", "target_bytes": 0.27, "quantizer": "rtn", "rounds": 1, "allocation": "fisher",
                       "bit_choices": [3, 4]},
 }
-for _f in ROWS.values():  # without the input rotation (qlr's default); `_rot` rows with it: one block-Hadamard
-    _f["rotate"] = False  # product on each layer's input before the int4 kernel (the rotation's cost: the ratio)
+for _f in ROWS.values():  # without the input rotation (qlr's default); `_rot` rows with it: a block-Hadamard product
+    _f["rotate"] = False  # on each input before the int4 kernel, q / k / v and gate / up sharing theirs
 ROWS["rtn4_rot"], ROWS["rtn4_r32_rot"], ROWS["rtn4_r32_rot_emb8"], ROWS["bytes0.27_rot"] = (
     {**ROWS[r], "rotate": True} for r in ("rtn4", "rtn4_r32", "rtn4_r32_emb8", "bytes0.27"))
 ROWS["rtn4_rot_each"] = {**ROWS["rtn4_rot"], "share": False}  # every linear rotating its own input
@@ -59,6 +59,7 @@ def _build(job: dict, path, label: str, dtype, compressed: dict):
     from transformers import AutoModelForCausalLM
 
     from hf_tensorcomp import TensorCompressionConfig
+    from hf_tensorcomp.layers.qlr import share_input_rotations
     from quantized import _quanto
 
     if label in ROWS:
@@ -70,10 +71,7 @@ def _build(job: dict, path, label: str, dtype, compressed: dict):
                                           calibration_length=job["calibration_length"], **opts)
             compressed[label] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                                      quantization_config=cfg).eval()
-            if not share:  # each rotated linear rotates its own input
-                for mod in compressed[label].modules():
-                    for handle in mod.__dict__.pop("_rotation_hooks", ()):
-                        handle.remove()
+            share_input_rotations(compressed[label], share)  # False: each rotated linear rotates its own input
         return compressed[label].to(dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     if label == "quanto_int4":

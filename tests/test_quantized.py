@@ -374,9 +374,7 @@ def test_a_shared_input_is_rotated_once_with_bit_identical_outputs(tiny_dirs, id
     assert len(calls) == 4 * layers
     attn = m.model.layers[0].self_attn
     assert all("_rotated_input" not in p.__dict__ for p in (attn.q_proj, attn.k_proj, attn.v_proj))  # dropped after
-    for mod in m.modules():  # without the hand-off: every child rotates its own input
-        for handle in mod.__dict__.pop("_rotation_hooks", ()):
-            handle.remove()
+    assert qlr_layer.share_input_rotations(m, share=False) == 0  # without the hand-off: each child rotates its input
     calls.clear()
     with torch.no_grad():
         alone = m(ids).logits

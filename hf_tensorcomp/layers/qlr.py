@@ -132,17 +132,20 @@ class QuantizedLowRankLinear(FactorizedModule):
 SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def share_input_rotations(model: nn.Module) -> int:
+def share_input_rotations(model: nn.Module, share: bool = True) -> int:
     """Rotate a module's input once for its rotated `QuantizedLowRankLinear` children of `SHARED_INPUTS` with
     the same block and signs; returns the number of groups. The parent's forward pre-hook hands each child
     (x, x R); a child uses it only when its input *is* that x (the same tensor object, as transformers passes
     it), else rotates on its own, so a parent that feeds them something else still computes the same thing;
     a post-hook (run on errors too) drops the hand-off. Outputs are bit-identical with and without. Called
-    after compression and after loading; calling it again replaces the hooks (after a module swap)."""
+    after compression and after loading; calling it again replaces the hooks (after a module swap);
+    ``share=False`` only removes them (each child rotating its own input, as before: for measuring)."""
     groups = 0
     for parent in model.modules():
         for handle in parent.__dict__.pop("_rotation_hooks", ()):
             handle.remove()
+        if not share:
+            continue
         hooks = []
         for names in SHARED_INPUTS:
             members = [m for m in (getattr(parent, n, None) for n in names)
