@@ -120,8 +120,9 @@ def prefill_tokens_per_s(model, tok, batch: int = 4, length: int = 256) -> float
     return batch * length / (time.perf_counter() - t0)
 
 
-def interleaved(models: dict, measures: dict, rounds: int = 3) -> dict:
-    """Median of `rounds` measurements per (model, measure), taken round-robin so drift hits all alike.
+def interleaved(models: dict, measures: dict, rounds: int = 3, summary=statistics.median) -> dict:
+    """Median (or `summary`: ``list`` keeps them all) of `rounds` measurements per (model, measure), taken
+    round-robin so drift hits all alike.
 
     models: {name: model}; measures: {label: fn(model) -> number}. Returns {f"{name} {label}": median}.
     """
@@ -130,7 +131,7 @@ def interleaved(models: dict, measures: dict, rounds: int = 3) -> dict:
         for name, m in models.items():
             for label, fn in measures.items():
                 got.setdefault(f"{name} {label}", []).append(fn(m))
-    return {k: statistics.median(v) for k, v in got.items()}
+    return {k: summary(v) for k, v in got.items()}
 
 
 def in_child(target, job: dict, what: str):

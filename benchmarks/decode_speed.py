@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import _without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model  # noqa: E402
+from common import _without_inference_mode, bench_main, child_setup, decode_tokens_per_s, interleaved, markdown_table, per_model  # noqa: E402
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
 NAME = "decode_speed"
@@ -91,13 +91,10 @@ def _model(job: dict, q) -> None:
     compressed: dict = {}
     for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         models = {label: _build(job, path, label, dtype, compressed) for label in job["rows"]}
-        speeds = {label: [] for label in job["rows"]}
         with torch.no_grad():
-            for k in range(job["rounds"]):
-                for label, model in models.items():
-                    speeds[label].append(decode_tokens_per_s(model, tok, repeats=1))
-                print(job["model"], key, "round", k, {lb: round(v[-1], 2) for lb, v in speeds.items()}, flush=True)
-        for label, v in speeds.items():
+            speeds = interleaved(models, {"": lambda m: decode_tokens_per_s(m, tok, repeats=1)}, job["rounds"], list)
+        for label in job["rows"]:
+            v = speeds[f"{label} "]
             out[label].update({f"tok_s_{key}": statistics.median(v), f"tok_s_{key}_best": max(v), f"tok_s_{key}_all": v})
         del models
     q.put(list(out.values()))

@@ -148,13 +148,13 @@ def share_input_rotations(model: nn.Module, share: bool = True) -> int:
             continue
         hooks = []
         for names in SHARED_INPUTS:
-            members = [m for m in (getattr(parent, n, None) for n in names)
-                       if isinstance(m, QuantizedLowRankLinear) and m.rotation_block]
-            lead = members[0] if members else None
-            members = [m for m in members if m.rotation_block == lead.rotation_block and m.input_signs.device.type != "meta"
-                       and torch.equal(m.input_signs, lead.input_signs)]
-            if len(members) > 1:
-                hand = _HandOff([n for n in names if getattr(parent, n, None) in members])
+            found = {n: m for n in names if isinstance(m := getattr(parent, n, None), QuantizedLowRankLinear)
+                     and m.rotation_block and m.input_signs.device.type != "meta"}
+            lead = next(iter(found.values()), None)
+            same = [n for n, m in found.items()
+                    if m.rotation_block == lead.rotation_block and torch.equal(m.input_signs, lead.input_signs)]
+            if len(same) > 1:
+                hand = _HandOff(same)
                 hooks += [parent.register_forward_pre_hook(hand.give, with_kwargs=True),
                           parent.register_forward_hook(hand.drop, with_kwargs=True, always_call=True)]
                 groups += 1
