@@ -106,6 +106,11 @@ ROWS["qlr_bytes_0.21_b3568_act_rot_all_481w_150s"] = {**ROWS["qlr_bytes_0.27_b56
                                                      "target_bytes": 0.21, "bit_choices": [3, 4, 5, 6, 8]}
 HEAL_OVERRIDES["qlr_bytes_0.21_b3568_act_rot_all_481w_150s"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b3_act_all_481w_300s"],
                                                                 "steps": 150}
+# the same, the loss on every 4th position (the head run on those alone: Gemma-3's 262k-token head costs more
+# than its layers), held-out windows scored every 75 steps
+ROWS["qlr_bytes_0.21_b3568_act_rot_all_481w_150s_every4"] = ROWS["qlr_bytes_0.21_b3568_act_rot_all_481w_150s"]
+HEAL_OVERRIDES["qlr_bytes_0.21_b3568_act_rot_all_481w_150s_every4"] = {
+    **HEAL_OVERRIDES["qlr_bytes_0.21_b3568_act_rot_all_481w_150s"], "every": 4, "eval_every": 75}
 
 
 def _one(job: dict, q) -> None:

@@ -142,6 +142,9 @@ ROWS["qlr_bytes_0.27_b4568_act_rot"] = {**ROWS["qlr_bytes_0.27_b56_act_rot"], "b
 ROWS["qlr_bytes_0.21_b348_act_rot"] = {**ROWS["qlr_bytes_0.21_b348_act"], "rotate": True}
 ROWS["qlr_bytes_0.21_b3568_act_rot"] = {**ROWS["qlr_bytes_0.21_b56_act_rot"], "bit_choices": [3, 4, 5, 6, 8]}
 ROWS["qlr_bytes_0.27_b3568_act_rot"] = {**ROWS["qlr_bytes_0.27_b56_act_rot"], "bit_choices": [3, 4, 5, 6, 8]}
+# the same ladders, each decoder layer's level set to the KL its matrices measurably cause on their cheapest rung
+for _b in ("0.21", "0.27"):
+    ROWS[f"qlr_bytes_{_b}_measured"] = {**ROWS[f"qlr_bytes_{_b}_b3568_act_rot"], "allocation": "measured"}
 
 
 def _linear_bytes(model) -> tuple[int, int]:

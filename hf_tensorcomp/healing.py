@@ -139,9 +139,11 @@ def relative_mse(module: nn.Module, dense_linear, inputs: torch.Tensor, batch: i
 
 
 # ---------------------------------------------------------------------------------------- distillation
-def _log_probs(model, batch: torch.Tensor) -> torch.Tensor:
-    """Next-token log-probabilities on the batch's device (a teacher given on another device runs on its own)."""
-    logits = model(input_ids=batch.to(model.device), use_cache=False).logits
+def _log_probs(model, batch: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token log-probabilities on the batch's device (a teacher given on another device runs on its own);
+    `keep`: at those positions only (the head runs on them alone; every position is still the others' context)."""
+    extra = {} if keep is None else {"logits_to_keep": keep.to(model.device)}
+    logits = model(input_ids=batch.to(model.device), use_cache=False, **extra).logits
     return F.log_softmax(logits.float(), -1).to(batch.device)
 
 
@@ -242,7 +244,8 @@ def _autocast(device: torch.device, precision: str):
 def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr: float = 1e-4, batch_size: int = 4,
             seed: int = 0, warmup: float = 0.1, schedule: bool = True, shuffle: bool = True, lm_weight: float = 0.0,
             held_out: torch.Tensor | None = None, eval_every: int = 25, train_mode: bool = False, relative: bool = False,
-            precision: str = "float32", progress: bool = True, desc: str = "hf_tensorcomp: distillation") -> dict:
+            precision: str = "float32", every: int = 1, progress: bool = True,
+            desc: str = "hf_tensorcomp: distillation") -> dict:
     """Train `params` of `student` toward `teacher`'s next-token distributions on the windows of `ids`.
 
     teacher: a model, or a function ``batch -> log-probabilities`` (e.g. the student with its dense
@@ -251,7 +254,10 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
     ``relative``, steps relative to each entry's size, `RelativeSteps`); ``precision="bfloat16"``: the
     training forwards and backwards (teacher and student) under bfloat16 autocast (`_autocast`; the
     parameters, the optimizer and the held-out scoring stay float32); windows in a seeded shuffle
-    (``shuffle``) or in order, ``batch_size`` per step. Every other parameter keeps its ``requires_grad``. With `held_out` (windows never trained on): scored before,
+    (``shuffle``) or in order, ``batch_size`` per step; ``every``: the loss on every `every`-th position of a
+    window (from its first), the head run on those alone (on a vocabulary of 262k the head costs more than
+    the layers; the held-out scoring keeps every position). Every other parameter keeps its
+    ``requires_grad``. With `held_out` (windows never trained on): scored before,
     every ``eval_every`` steps and at the end, and the best iterate is what the student keeps (the
     start, bit for bit, if no step improved on it).
 
@@ -297,13 +303,16 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
             else:
                 batch = in_order[step % len(in_order)]
             batch = batch.to(device)
+            keep = None if every == 1 else torch.arange(0, batch.shape[1], every, device=device)
             with _autocast(device, precision):
                 with torch.no_grad():
-                    t = teacher(batch) if not isinstance(teacher, nn.Module) else _log_probs(teacher, batch)
-                s = _log_probs(student, batch)
+                    t = (_log_probs(teacher, batch, keep) if isinstance(teacher, nn.Module)
+                         else teacher(batch) if keep is None else teacher(batch)[:, keep])
+                s = _log_probs(student, batch, keep)
             loss = kl_to_teacher(s, t)
-            if lm_weight:
-                loss = loss + lm_weight * F.nll_loss(s[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+            if lm_weight:  # the next token of each scored position (the last position has none)
+                at = torch.arange(batch.shape[1] - 1, device=device) if keep is None else keep[keep < batch.shape[1] - 1]
+                loss = loss + lm_weight * F.nll_loss(s[:, : len(at)].flatten(0, 1), batch[:, at + 1].flatten())
             adam_step(opt, loss, steps_of)
             sched.step()
             losses.append(loss.item())
@@ -324,7 +333,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
 # ---------------------------------------------------------------------------------------- heal
 HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-3, "relative": True, "batch_size": 4,
                  "train": "auto", "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 256,
-                 "length": 256, "gradient_checkpointing": False, "precision": "auto", "generated": 0}
+                 "length": 256, "gradient_checkpointing": False, "precision": "auto", "generated": 0, "every": 1}
 TRAIN = ("auto", "factors", "norms", "scales", "all")
 MODES = ("e2e", "layerwise", "both")
 
@@ -346,7 +355,7 @@ def validate_heal(value):
         fail("heal.mode", o["mode"], " | ".join(map(repr, MODES)) + " (end to end on the logits, layer by layer on "
              "each decoder layer's output, or layer-wise then end to end)")
     for key, lo in (("steps", 1), ("layer_steps", 1), ("batch_size", 1), ("eval_every", 1), ("samples", 2), ("length", 2),
-                    ("generated", 0)):
+                    ("generated", 0), ("every", 1)):
         if not is_int(o[key], lo):
             fail(f"heal.{key}", o[key], f"an int >= {lo}")
     if not is_int(o["seed"]):
@@ -604,7 +613,9 @@ def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None,
     sampled from the teacher added to the end-to-end step's (`teacher_windows`) —, ``precision`` —
     ``"auto"`` (default: `resolve_precision`), ``"float32"``, or ``"bfloat16"``: the training forwards under
     bfloat16 autocast, 1.65x faster on a CPU with native bfloat16 products and healing as far (SmolLM2,
-    `benchmarks/heal.py`); the held-out scoring that decides what is kept stays float32).
+    `benchmarks/heal.py`); the held-out scoring that decides what is kept stays float32 —, ``every`` — the
+    end-to-end loss on every `every`-th position only, the head run on those: for a large vocabulary, see
+    `distill`).
     """
     try:
         return _heal(model, teacher, calibration, steps, tokenizer=tokenizer, progress=progress, _config=_config,
@@ -629,7 +640,8 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
     o["precision"] = resolve_precision(o["precision"], next(model.parameters()).device)
     kl0, ppl0 = held_out_loss(model, dense, held, o["batch_size"])
     report = {"mode": o["mode"], "steps": o["steps"], "train": o["train"], "params_trained": sum(p.numel() for p in params),
-              "lr": o["lr"], "relative": o["relative"], "precision": o["precision"], "tokens": 0}
+              "lr": o["lr"], "relative": o["relative"], "precision": o["precision"], "tokens": 0,
+              **({"every": o["every"]} if o["every"] > 1 else {})}
     torch.manual_seed(o["seed"])
     if o["mode"] in ("layerwise", "both"):
         report["layerwise"] = heal_layerwise(model, dense, train_ids, {id(p) for p in params}, o, progress)
@@ -646,7 +658,8 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
         try:
             run = distill(model, dense, train_ids, params, o["steps"], lr=o["lr"], batch_size=o["batch_size"],
                           seed=o["seed"], lm_weight=o["lm_weight"], held_out=held, eval_every=o["eval_every"],
-                          relative=o["relative"], precision=o["precision"], progress=progress, desc="hf_tensorcomp: healing")
+                          relative=o["relative"], precision=o["precision"], every=o["every"], progress=progress,
+                          desc="hf_tensorcomp: healing")
         finally:
             if checkpointing:
                 model.gradient_checkpointing_disable()

@@ -516,6 +516,12 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
         if k == table_entry(config.entries, config.embedding_bits):
             table, ladders[table], params = _table_ladder(model, config, m, entry, runner)
             total += params
+        measured = None
+        if m.measures(entry):
+            if stream is not None:
+                raise ValueError("compress_checkpoint: allocation='measured' runs the whole dense model, which streaming "
+                                 "never holds; allowed: allocation='relative', or compress in memory")
+            measured = _measured(m, entry, ladders, layer_list, runner, model, table)
         budget = m.budget(entry) * total
         try:
             rungs = allocate_rungs(ladders, budget)
@@ -528,6 +534,8 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
         spent = sum(ladders[n][0][j] for n, j in rungs.items())
         out[k] = {"target": m.budget(entry), "params_targeted": total, "params_kept": spent,
                   "kept_fraction": round(spent / total, 6)}
+        if measured is not None:
+            out[k]["measured_kl"] = {("head" if li == len(layer_list) else str(li)): round(v, 6) for li, v in measured.items()}
         if table is not None:
             out[k]["embedding_bits"] = entry.__dict__["_rungs"][table][rungs.pop(table)][0]
         out[k]["rungs"] = rungs
@@ -535,3 +543,22 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
     return out
 
 
+def _measured(m, entry, ladders: dict, layer_list, runner, model, table) -> dict[int, float]:
+    """Every decoder layer's ladders (and the table's) scaled, in place, so that their cheapest rungs together
+    cost what they were measured to (`measured_kl`: that layer's matrices alone on their cheapest rung; the
+    table by the output head it is read as), each ladder keeping its own shape. Returns the measured KL per
+    layer (``len(layer_list)``: the head)."""
+    from .calibration.sensitivity import measured_kl
+
+    groups: dict[int, dict] = {}
+    for n in ladders:
+        key, mod = (len(layer_list), model.get_output_embeddings()) if n == table else (_layer_of(n), layer_list.get_submodule(n))
+        groups.setdefault(key, {})[n] = mod
+    kl = measured_kl(runner, groups, lambda n: m.probe(n, entry))
+    for key, names in groups.items():
+        base = sum(ladders[n][1][0] for n in names)
+        if base > 0:
+            for n in names:
+                costs, losses = ladders[n]
+                ladders[n] = (costs, [x * kl[key] / base for x in losses])
+    return kl

@@ -56,6 +56,32 @@ def test_bfloat16_healing_runs_the_products_in_bfloat16(tiny_dirs, monkeypatch):
     assert any(not grad and dtype is None for grad, dtype in seen)  # held-out scoring
 
 
+@pytest.mark.parametrize("lm_weight", [0.0, 0.5])
+def test_every_scores_every_kth_position_with_the_head_run_on_those_alone(tiny_dirs, monkeypatch, lm_weight):
+    """``every=3``: the first step's loss is the KL (plus the language-model loss of the next tokens) at
+    positions 0, 3, 6, ... computed from the full logits, and the head saw only those positions."""
+    import torch.nn.functional as F
+
+    from hf_tensorcomp.healing import distill
+
+    model, teacher = compressed(tiny_dirs), AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    ids = calib(n=2, length=31)
+    with torch.no_grad():
+        s, t = (F.log_softmax(m(ids).logits.float(), -1) for m in (model, teacher))
+    at = torch.arange(0, 31, 3)
+    want = float(F.kl_div(s[:, at].flatten(0, 1), t[:, at].flatten(0, 1), log_target=True, reduction="batchmean"))
+    if lm_weight:
+        inner = at[at < 30]
+        want += lm_weight * float(F.nll_loss(s[:, inner].flatten(0, 1), ids[:, inner + 1].flatten()))
+    rows = []
+    head = model.get_output_embeddings()
+    head.register_forward_hook(lambda mod, a, out: rows.append(a[0].shape[1]))
+    run = distill(model, teacher, ids, [p for p in model.parameters() if p.dim() == 1][:1], 1, lr=0.0, batch_size=2,
+                  shuffle=False, every=3, lm_weight=lm_weight, progress=False)
+    assert run["losses"][0] == pytest.approx(want, rel=1e-5)
+    assert rows == [len(at)]
+
+
 @pytest.mark.parametrize("mode", ["layerwise", "both"])
 def test_layerwise_healing_lowers_each_layers_error_and_the_held_out_loss(tiny_dirs, mode):
     model = compressed(tiny_dirs, rank=2)

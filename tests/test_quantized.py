@@ -731,3 +731,85 @@ def test_compressed_tensors_base_refuses_groups_that_do_not_divide(tiny_dirs, tm
     assert not (tmp_path / "base").exists()
     with pytest.raises(ValueError, match=r"export_qlr: base_format: got 'gguf'; allowed: 'dequantized' \| 'compressed-tensors'"):
         export_qlr(m, tmp_path / "base", tmp_path / "adapter", base_format="gguf")
+
+
+def _runner(model, ids):
+    from hf_tensorcomp.calibration import LayerwiseRunner
+    from hf_tensorcomp.plan import find_decoder_layers
+
+    prefix, layers = find_decoder_layers(model)
+    return LayerwiseRunner(model, prefix, layers, ids, batch_size=4), layers
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_measured_kl_is_the_kl_of_the_model_with_the_weights_replaced(tiny_dirs, arch):
+    """Each group run from its own layer on gives the KL a whole forward pass of the changed model gives;
+    a zero head gives the closed form log V - H(p); the model is left as it was."""
+    from hf_tensorcomp.calibration.sensitivity import measured_kl
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch]).eval()
+    ids = calib(n=6, length=20)
+    runner, layers = _runner(model, ids)
+    batch = ids[:4]  # the runner's first batch
+    with torch.no_grad():
+        dense = model(batch).logits[:, ::4].float().log_softmax(-1)
+    g = torch.Generator().manual_seed(3)
+    new = {n: layers.get_submodule(n).weight.detach() + 0.3 * torch.randn(layers.get_submodule(n).weight.shape, generator=g)
+           for n in ("1.mlp.down_proj", "1.self_attn.v_proj", "2.self_attn.q_proj")}
+    head = model.get_output_embeddings()
+    new["head"] = torch.zeros_like(head.weight)
+    groups = {1: {n: layers.get_submodule(n) for n in ("1.mlp.down_proj", "1.self_attn.v_proj")},
+              2: {"2.self_attn.q_proj": layers.get_submodule("2.self_attn.q_proj")}, 3: {"head": head}}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kl = measured_kl(runner, groups, lambda n: new[n])
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    p = dense.exp()
+    for li in (1, 2):
+        changed = copy.deepcopy(model)
+        for n in groups[li]:
+            changed.get_submodule(f"model.layers.{n}").weight.data = new[n]
+        with torch.no_grad():
+            q = changed(batch).logits[:, ::4].float().log_softmax(-1)
+        assert kl[li] == pytest.approx(float((p * (dense - q)).sum(-1).mean()), rel=1e-4)
+        assert kl[li] > 0
+    assert kl[3] == pytest.approx(float((p * dense).sum(-1).mean()) + float(torch.log(torch.tensor(VOCAB * 1.0))), abs=1e-6)
+
+
+def test_a_measured_allocation_gives_a_layer_that_barely_matters_fewer_bytes(tiny_dirs, tmp_path, ids):
+    """Layer 0 writes almost nothing into the residual stream (its o_proj and down_proj scaled by 1e-3): its
+    matrices' relative errors are as large as anyone's, but what they cost the model is not. The relative
+    score spends on them like on any other layer; the measured one starves them, and meets the budget."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    with torch.no_grad():
+        for n in ("self_attn.o_proj", "mlp.down_proj"):
+            model.model.layers[0].get_submodule(n).weight.mul_(1e-3)
+    src = tmp_path / "damped"
+    model.save_pretrained(src)
+
+    def spent(allocation):
+        cfg = TensorCompressionConfig(method="qlr", target_bytes=0.5, calibration=calib(), progress=False, group_size=16,
+                                      allocation=allocation, embedding_bits="auto", embedding_group_size=16)
+        m = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg).eval()
+        mods = m.config.quantization_config.stats["modules"]
+        layer0 = sum(stored_bytes((m.get_submodule(n).out_features, m.get_submodule(n).in_features), st["bits"], 16)
+                     + st["rank"] * (m.get_submodule(n).in_features + m.get_submodule(n).out_features) * 2
+                     for n, st in mods.items() if ".layers.0." in n)
+        return m, layer0, _spent(m, 16, 16)
+
+    rel, rel0, _ = spent("relative")
+    mea, mea0, (total, dense, _) = spent("measured")
+    assert mea0 < 0.8 * rel0
+    assert 0.45 * dense <= total <= 0.5 * dense
+    alloc = mea.config.quantization_config.stats["allocation"]["0"]
+    assert set(alloc["measured_kl"]) == {"0", "1", "2", "head"}
+    assert alloc["measured_kl"]["0"] < 0.1 * min(alloc["measured_kl"][k] for k in ("1", "2"))
+    mea.save_pretrained(tmp_path / "measured")
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "measured").eval()(ids).logits, mea(ids).logits)
+
+
+def test_a_measured_allocation_is_refused_while_streaming(tiny_dirs, tmp_path):
+    cfg = TensorCompressionConfig(method="qlr", target_bytes=0.3, calibration=calib(), progress=False, group_size=16,
+                                  allocation="measured")
+    with pytest.raises(ValueError, match="allocation='measured'.*streaming"):
+        hf_tensorcomp.compress_checkpoint(tiny_dirs["llama"], tmp_path / "out", cfg)

@@ -108,3 +108,57 @@ def _loss_backward(model: nn.Module, ids: torch.Tensor, batch_size: int, trainab
         for p, flag in flags:
             p.requires_grad_(flag)
         model.train(was_training)
+
+
+def measured_kl(runner, groups: dict[int, dict[str, nn.Module]], weight, every: int = 4) -> dict[int, float]:
+    """``{group: KL}``: the mean KL divergence (nats per token) of the model's next-token distribution from the
+    dense model's when the modules of one group take other weights, on the runner's first calibration batch.
+
+    `groups` maps a decoder layer's index to its modules (``{name: module}``), or ``len(runner.layers)`` to
+    the output head; ``weight(name)`` gives a module's replacement weight (called once, when its group is
+    measured). Each group runs from its own layer on: the dense inputs of every layer are computed once and
+    the layers before the group's are not run again. `every`: the head scores every `every`-th position only
+    (its context still runs through every layer; on a large vocabulary the head costs more than the layers).
+    The dense model is left as it was."""
+    model, layers = runner.model, runner.layers
+    stack = model.get_submodule(runner.prefix.rpartition(".")[0])
+    norm, head = getattr(stack, "norm", None), model.get_output_embeddings()
+    if norm is None or head is None:
+        raise ValueError("TensorCompressionConfig.allocation='measured' scores the model's output through its final "
+                         "`norm` and output head, which this architecture does not have as such; allowed: "
+                         "allocation='relative' | 'fisher'")
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    kwargs = runner.kwargs[0]
+
+    def log_probs(h):
+        z = head(norm(h[:, ::every])).float()
+        return (torch.tanh(z / cap) * cap if cap else z).log_softmax(-1)
+
+    def layer(j, h):
+        o = layers[j](h, **kwargs[j])
+        return o[0] if isinstance(o, tuple) else o
+
+    def from_layer(li, h):
+        for j in range(li, len(layers)):
+            h = layer(j, h)
+        return h
+
+    out = {}
+    with torch.no_grad():
+        inputs = [runner.hidden[0]]
+        for j in range(len(layers)):
+            inputs.append(layer(j, inputs[j]))
+        dense = log_probs(inputs[-1])
+        p = dense.exp()
+        for li in sorted(groups):
+            saved = {n: mod.weight.data for n, mod in groups[li].items()}
+            try:
+                for n, mod in groups[li].items():
+                    mod.weight.data = weight(n).to(mod.weight.dtype)
+                q = log_probs(from_layer(li, inputs[li]) if li < len(layers) else inputs[-1])
+            finally:
+                for n, mod in groups[li].items():
+                    mod.weight.data = saved[n]
+            out[li] = max(float((p * (dense - q)).sum(-1).mean()), 0.0)
+    return out
+

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..validation import fail, is_int, is_number, validate_rank
@@ -151,6 +152,15 @@ class Method:
         """What else, besides a larger budget, lets an allocation this entry's budget cannot meet go through
         (appended to the error's "allowed:"; empty when nothing)."""
         return ""
+
+    def measures(self, entry) -> bool:
+        """True when the allocation's ladders are to be set to measured losses (`probe` gives each module's
+        weight at its cheapest rung; `hf_tensorcomp.calibration.sensitivity.measured_kl` measures them)."""
+        return False
+
+    def probe(self, name: str, entry) -> torch.Tensor:
+        """Module `name`'s weight at the cheapest rung of the ladder `ladder` gave it (once, after `ladder`)."""
+        raise NotImplementedError
 
     def ladder_needs(self, entry) -> frozenset:
         """Statistics the `target` allocation reads (gathered in a first pass over the dense model)."""

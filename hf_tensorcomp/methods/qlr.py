@@ -31,7 +31,11 @@ to its output energy, every matrix counting the same (a small matrix's error the
 large one's, so small matrices climb to 8 bits while large ones stay at 2); ``"size"`` — that relative
 error times the matrix's parameters (a large matrix's error counts in proportion); ``"fisher"`` — the
 loss itself, ½ Σ Fisher × squared output error (needs the dense model's output Fisher, one backward
-pass; not while streaming).
+pass; not while streaming); ``"measured"`` — ``"fisher"``'s ladders, each decoder layer's scaled so that its
+matrices' cheapest rungs together cost what they measurably do: the KL divergence of the model's output from
+the dense model's with that layer's matrices (alone) on their cheapest rung, on the first calibration batch
+(one partial forward pass a layer; the embedding table's by the output head's; not while streaming). Fisher's
+second-order estimate can misprice narrow rungs, whose errors are not small; the measurement is taken there.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from ..validation import choices, fail, is_int, is_number
 from .base import Method, register_method
 
 QUANTIZERS = ("gptq", "rtn")
-ALLOCATIONS = ("relative", "size", "fisher")
+ALLOCATIONS = ("relative", "size", "fisher", "measured")
 ESTIMATES = ("rtn", "quantizer")
 RANK_RUNGS = (0, 8, 16, 32, 64, 128, 256)
 # The budget's default widths: 2-bit rungs only where 3 bits everywhere would not fit. Measured on both bundled
@@ -136,8 +140,16 @@ class QuantizedLowRank(Method):
     def ladder_needs(self, entry):
         o = entry.options
         gptq = o["estimate"] == "quantizer" and o["quantizer"] == "gptq"
-        return frozenset(({"gram"} if o["whiten"] or gptq else set())
-                         | ({"fisher"} if entry.options["allocation"] == "fisher" else set()))
+        how = o["allocation"]
+        return frozenset(({"gram"} if o["whiten"] or gptq or how == "measured" else set())  # measured: a runner
+                         | ({"fisher"} if how in ("fisher", "measured") else set()))
+
+    def measures(self, entry):
+        return entry.options["target_bytes"] is not None and entry.options["allocation"] == "measured"
+
+    def probe(self, name, entry):
+        q, rot = entry.__dict__["_probes"].pop(name)
+        return self._approx(q, rot)
 
     def budget(self, entry) -> float:
         return entry.options["target_bytes"]
@@ -224,7 +236,7 @@ class QuantizedLowRank(Method):
         group_size = group_size or entry.group_size
         s = self._whitening(stats, entry)
         how = entry.options["allocation"]
-        d = stats.fisher.clamp_min(0).sqrt().double() if how == "fisher" else None
+        d = stats.fisher.clamp_min(0).sqrt().double() if how in ("fisher", "measured") else None
         w = module.weight.detach().float()
         rot = None if table else self._rotation(w.shape[1], entry)
         gram = self._gram(stats, entry, rot, estimating=True)
@@ -236,18 +248,21 @@ class QuantizedLowRank(Method):
         def energy(m, step=8192):  # ‖weighted(m)‖², a block of rows at a time (a vocabulary-sized table)
             return sum(float(weighted(m, slice(i, i + step)).pow(2).sum()) for i in range(0, m.shape[0], step))
 
-        if how == "fisher":
+        if how in ("fisher", "measured"):
             ref = 2.0  # the loss itself: ½ Σ Fisher x squared output error
         else:
             ref = energy(w) / (w.numel() if how == "size" else 1)
         points = []
         for b in bits:
-            err = w - self._approx(self._quantize(w, b, entry, gram, group_size, estimating=True, rot=rot), rot)
+            q = self._quantize(w, b, entry, gram, group_size, estimating=True, rot=rot)
+            if how == "measured" and b == bits[0]:  # the cheapest rung, for `probe`
+                entry.__dict__.setdefault("_probes", {})[name] = (q, rot)
+            err = w - self._approx(q, rot)
             if any(ranks):
                 tail = torch.linalg.svdvals(weighted(err)).pow(2).flip(0).cumsum(0).flip(0).tolist() + [0.0]
             else:  # no correction: the whole error, no SVD
                 tail = [energy(err)]
-            del err
+            del err, q
             for r in ranks:
                 if r < min(w.shape) // 2:
                     cost = copies * self._rung_bytes(module, b, r, entry, group_size, rot is not None) / 2
