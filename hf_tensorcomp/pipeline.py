@@ -141,8 +141,9 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
     sensitive = [n for k, names in work for n in names if "fisher" in needs[k] | ladder[k]]
     graded = [n for k, names in work for n in names if "weight_grad" in needs[k]]
     if stream is not None and (sensitive or graded):
-        raise ValueError("compress_checkpoint: Fisher weighting, a Fisher-weighted global allocation and weight "
-                         "gradients need a backward pass of the whole dense model, which streaming never holds; "
+        raise ValueError("compress_checkpoint: Fisher weighting, a Fisher-weighted or measured global allocation "
+                         "(allocation='fisher' | 'measured') and weight gradients need a backward pass of the whole dense "
+                         "model, which streaming never holds; "
                          "allowed: weighting=None with allocation='relative' | 'uniform', or compress in memory")
     k_table = table_entry(entries, config.embedding_bits)
     head = {}
@@ -516,12 +517,7 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
         if k == table_entry(config.entries, config.embedding_bits):
             table, ladders[table], params = _table_ladder(model, config, m, entry, runner)
             total += params
-        measured = None
-        if m.measures(entry):
-            if stream is not None:
-                raise ValueError("compress_checkpoint: allocation='measured' runs the whole dense model, which streaming "
-                                 "never holds; allowed: allocation='relative', or compress in memory")
-            measured = _measured(m, entry, ladders, layer_list, runner, model, table)
+        measured = _measured(m, entry, ladders, layer_list, runner, model, table) if m.measures(entry) else None
         budget = m.budget(entry) * total
         try:
             rungs = allocate_rungs(ladders, budget)
