@@ -808,6 +808,16 @@ def test_a_measured_allocation_gives_a_layer_that_barely_matters_fewer_bytes(tin
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "measured").eval()(ids).logits, mea(ids).logits)
 
 
+def test_a_measured_allocation_leaves_a_fixed_table_out(tiny_dirs):
+    """At fixed ``embedding_bits`` the table has one rung: nothing to measure, the linears' layers measured."""
+    cfg = TensorCompressionConfig(method="qlr", target_bytes=0.5, calibration=calib(), progress=False, group_size=16,
+                                  allocation="measured", embedding_bits=8, embedding_group_size=16)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
+    assert set(m.config.quantization_config.stats["allocation"]["0"]["measured_kl"]) == {"0", "1", "2"}
+    spent, dense, bits = _spent(m, 16, 16)
+    assert bits == 8 and spent <= 0.5 * dense
+
+
 def test_a_measured_allocation_is_refused_while_streaming(tiny_dirs, tmp_path):
     cfg = TensorCompressionConfig(method="qlr", target_bytes=0.3, calibration=calib(), progress=False, group_size=16,
                                   allocation="measured")

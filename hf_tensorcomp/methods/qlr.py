@@ -140,9 +140,8 @@ class QuantizedLowRank(Method):
     def ladder_needs(self, entry):
         o = entry.options
         gptq = o["estimate"] == "quantizer" and o["quantizer"] == "gptq"
-        how = o["allocation"]
-        return frozenset(({"gram"} if o["whiten"] or gptq or how == "measured" else set())  # measured: a runner
-                         | ({"fisher"} if how in ("fisher", "measured") else set()))
+        return frozenset(({"gram"} if o["whiten"] or gptq else set())
+                         | ({"fisher"} if o["allocation"] in ("fisher", "measured") else set()))
 
     def measures(self, entry):
         return entry.options["target_bytes"] is not None and entry.options["allocation"] == "measured"
