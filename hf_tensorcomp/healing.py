@@ -29,7 +29,7 @@ from .calibration import LayerwiseRunner
 from .calibration.data import calibration_ids, calibration_tokenizer, validate_calibration
 from .calibration.pipeline import drop_states
 from .layers import FactorizedModule
-from .layout import find_decoder_layers
+from .layout import find_decoder_layers, first_output
 from .validation import fail, is_int, is_number, is_path
 
 
@@ -78,7 +78,7 @@ def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.
     def full_loss() -> float:  # MSE over every row, in eval mode
         module.eval()
         with torch.no_grad():
-            total = sum(F.mse_loss(_first(module(x[i: i + 4096])).float(), y[i: i + 4096], reduction="sum").item()
+            total = sum(F.mse_loss(first_output(module(x[i: i + 4096])).float(), y[i: i + 4096], reduction="sum").item()
                         for i in range(0, x.shape[0], 4096))
         module.train()
         return total
@@ -97,7 +97,7 @@ def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.
         for s in range(steps_per_epoch):
             idx = order[s * batch_size : (s + 1) * batch_size]
             out = module(x[idx])
-            loss = F.mse_loss((out[0] if isinstance(out, tuple) else out).float(), y[idx])
+            loss = F.mse_loss(first_output(out).float(), y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -115,10 +115,6 @@ def fit(module: nn.Module, dense_linear, inputs: torch.Tensor, *, lr: float = 0.
             p.copy_(b)
     module.eval()
     return history
-
-
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
 
 
 @torch.no_grad()
@@ -303,7 +299,8 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
             else:
                 batch = in_order[step % len(in_order)]
             batch = batch.to(device)
-            keep = None if every == 1 else torch.arange(0, batch.shape[1], every, device=device)
+            scored = torch.arange(0, batch.shape[1], every, device=device)
+            keep = None if every == 1 else scored
             with _autocast(device, precision):
                 with torch.no_grad():
                     t = (_log_probs(teacher, batch, keep) if isinstance(teacher, nn.Module)
@@ -311,7 +308,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
                 s = _log_probs(student, batch, keep)
             loss = kl_to_teacher(s, t)
             if lm_weight:  # the next token of each scored position (the last position has none)
-                at = torch.arange(batch.shape[1] - 1, device=device) if keep is None else keep[keep < batch.shape[1] - 1]
+                at = scored[scored < batch.shape[1] - 1]
                 loss = loss + lm_weight * F.nll_loss(s[:, : len(at)].flatten(0, 1), batch[:, at + 1].flatten())
             adam_step(opt, loss, steps_of)
             sched.step()
@@ -461,7 +458,7 @@ class LayerHealer:
                 def loss_on(i, precision="float32"):
                     with _autocast(hc[i].device, precision):
                         y = layer(hc[i], **self.kwargs[i][li])
-                    return F.mse_loss(_first(y).float(), target[i].float())
+                    return F.mse_loss(first_output(y).float(), target[i].float())
 
                 def score():
                     with torch.no_grad():

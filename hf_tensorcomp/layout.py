@@ -19,6 +19,12 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
+def first_output(out):
+    """The hidden states a module returned: decoder layers and attention modules return a tuple whose
+    first element they are (some transformers versions return the tensor alone)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def embedding_names(model: nn.Module) -> tuple[str | None, str | None]:
     """Module names of the input embedding and of the output head (None where the model has none, or
     where the head is not a linear layer)."""

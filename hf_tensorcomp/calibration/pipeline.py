@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..layout import first_output
 from .stats import PASS_KINDS, InputCapture, ModuleStats, StatsHooks
 
 
@@ -149,7 +150,7 @@ class LayerwiseRunner:
             for h, kw in zip(hidden, self.kwargs):
                 with torch.no_grad():
                     o = layer(h, **kw[li])
-                yield o[0] if isinstance(o, tuple) else o
+                yield first_output(o)
 
         return self._keep(outputs())
 

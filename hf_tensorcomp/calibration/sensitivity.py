@@ -14,6 +14,8 @@ import warnings
 import torch
 from torch import nn
 
+from ..layout import first_output
+
 
 def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str], ids: torch.Tensor,
                   prefix: str = "layers", batch_size: int = 2,
@@ -136,7 +138,7 @@ def measured_kl(runner, groups: dict[int, dict[str, nn.Module]], weight, every: 
 
     def layer(j, h):
         o = layers[j](h, **kwargs[j])
-        return o[0] if isinstance(o, tuple) else o
+        return first_output(o)
 
     def from_layer(li, h):
         for j in range(li, len(layers)):

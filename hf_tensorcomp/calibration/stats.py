@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import first_output
+
 KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross", "attention", "calls", "sequences", "weight_grad")
 #: kinds filled by a pass of their own rather than by the per-layer hooks
 PASS_KINDS = frozenset({"fisher", "weight_grad"})
@@ -173,8 +175,7 @@ def _detached(v):
 def _recorder(calls: list):
     """A forward hook (``with_kwargs=True``) appending (args, kwargs, first output) to `calls`."""
     def hook(module, args, kwargs, output):
-        out = output[0] if isinstance(output, tuple) else output
-        calls.append((_detached(args), {k: _detached(v) for k, v in kwargs.items()}, out.detach()))
+        calls.append((_detached(args), {k: _detached(v) for k, v in kwargs.items()}, first_output(output).detach()))
     return hook
 
 

@@ -48,6 +48,7 @@ from ..decompositions.svd import whitened_svd, whitening_factor
 from ..layers import BlockHadamardLinear, LowRankLinear, RotorLinear
 from ..layers.block_hadamard import check_blocks
 from ..layers.rotor import CHUNKINGS, check_layout, hidden_width
+from ..layout import first_output
 from ..healing import fit, relative_mse
 from ..validation import choices, fail, is_int, is_number
 from .base import Method, check_schedule_options, register_method
@@ -284,8 +285,7 @@ def _rerun(attn: nn.Module, news: dict, calls: list) -> tuple[torch.Tensor, floa
         for leaf, new in news.items():
             setattr(attn, leaf, new)
         for args, kwargs, dense_out in calls:
-            got = attn(*args, **kwargs)
-            got = got[0] if isinstance(got, tuple) else got
+            got = first_output(attn(*args, **kwargs))
             num += (got.float() - dense_out.float()).pow(2).sum().item()
             den += dense_out.float().pow(2).sum().item()
     finally:
