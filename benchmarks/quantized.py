@@ -145,6 +145,8 @@ ROWS["qlr_bytes_0.27_b3568_act_rot"] = {**ROWS["qlr_bytes_0.27_b56_act_rot"], "b
 # the same ladders, each decoder layer's level set to the KL its matrices measurably cause on their cheapest rung
 for _b in ("0.21", "0.27"):
     ROWS[f"qlr_bytes_{_b}_measured"] = {**ROWS[f"qlr_bytes_{_b}_b3568_act_rot"], "allocation": "measured"}
+    # and on 4x the calibration text: does GPTQ fitted on more windows keep its 3-bit codes closer off-domain?
+    ROWS[f"qlr_bytes_{_b}_b3568_act_rot_c128"] = {**ROWS[f"qlr_bytes_{_b}_b3568_act_rot"], "calibration_samples": 128}
 
 
 def _linear_bytes(model) -> tuple[int, int]:
