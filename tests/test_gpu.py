@@ -107,3 +107,28 @@ def test_healing_on_gpu_lowers_the_held_out_loss(tiny_dirs, mode):
     assert report["improved"] and report["held_out_kl_after"] < 0.9 * report["held_out_kl_before"], report
     assert report["precision"] == resolve_precision("auto", torch.device("cuda"))
     assert all(p.device.type == "cuda" for p in model.parameters())
+
+
+def test_quantized_healing_on_gpu_trains_scales_keeps_codes_and_reloads(tiny_dirs, ids, tmp_path):
+    """`qlr` healed on the GPU with ``train="all"`` and ``every=2``: corrections, norms and scales train there, codes and
+    zero points stay, the scales go back to float16 buffers on the device, and the saved model reloads with the same
+    logits."""
+    import hf_tensorcomp
+
+    model = load(tiny_dirs["llama"], "cuda", method="qlr", rank=2, bits=2, group_size=16, quantizer="rtn", whiten=False,
+                 calibration=CAL)
+    layer = model.model.layers[0].mlp.up_proj
+    codes, zero, scale = (layer._buffers[k].clone() for k in ("weight", "weight_zero", "weight_scale"))
+    cal = torch.randint(0, VOCAB, (16, 32), generator=torch.Generator().manual_seed(5))
+    report = hf_tensorcomp.heal(model, steps=30, lr=3e-2, calibration=cal, samples=16, length=32, eval_every=10,
+                                train="all", every=2, progress=False)
+    assert report["improved"] and report["held_out_kl_after"] < report["held_out_kl_before"], report
+    buf = layer._buffers
+    assert buf["weight_scale"].dtype == torch.float16 and buf["weight_scale"].device.type == "cuda"
+    assert not torch.equal(buf["weight_scale"], scale)
+    assert torch.equal(buf["weight"], codes) and torch.equal(buf["weight_zero"], zero)
+    with torch.no_grad():
+        ref = model(ids.cuda()).logits
+        model.save_pretrained(tmp_path)
+        again = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda").eval()
+        assert torch.equal(again(ids.cuda()).logits, ref)
