@@ -1,9 +1,8 @@
 """The CUDA path: every method compresses on the GPU, matches the CPU result, reloads onto the GPU with
 identical logits and generates; the calibration pipeline and the EinSort KV cache run on the GPU.
 
-Skipped where no CUDA device is present (CI machines have none; checked so far only with "cuda" replaced by
-"cpu"); run on a GPU machine with
-``pytest tests/test_gpu.py``.
+Skipped where no CUDA device is present (CI machines have none); run on a GPU machine with
+``pytest tests/test_gpu.py`` (all pass on an H200 with torch 2.11 / CUDA 13).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ CONFIGS = {
     "rotor": dict(method="rotor", targets=["self_attn.q_proj"], layers=[1], depth=1, width=1, lr=0.05, batch_size=16, epochs=8,
                   calibration=CAL),
     "qlr_rank": dict(method="qlr", bits=4, group_size=16, rank=4, calibration=CAL),
+    "qlr_rtn": dict(method="qlr", bits=4, group_size=16, rank=4, quantizer="rtn", calibration=CAL),
     "qlr_bytes": dict(method="qlr", target_bytes=0.4, group_size=16, grid="search", estimate="quantizer", calibration=CAL),
     "laser_int8_factors": dict(method="laser", rank=0.5, factor_bits=8, group_size=16),
     "lr4": dict(method="rotor", structure="lr4", layers=[1], lr=0.05, batch_size=16, epochs=8, calibration=CAL),
@@ -53,9 +53,15 @@ def test_compress_on_gpu_matches_cpu_and_reloads(name, tiny_dirs, ids, tmp_path)
     assert all(p.device.type == "cuda" for p in gpu.parameters())
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()(ids).logits
     want, got = cpu(ids).logits, gpu(ids.cuda()).logits.cpu()
-    # the GPU's decompositions differ from the CPU's by rounding (and signs): the compressed models agree far
-    # more closely than either agrees with the dense model
-    assert rel_err(got, want) < 1e-2 * max(rel_err(want, dense), 1e-3) + 1e-4, name
+    if CONFIGS[name].get("quantizer", "gptq") == "gptq" and name.startswith("qlr"):
+        # GPTQ feeds each column's rounding error into the next columns': the GPU's activations, a last bit off the
+        # CPU's, flip a rounding here and there and the rest of the row follows another, equally good path. So the
+        # two models differ by as much as either differs from the dense one; what must hold is the same quality
+        assert rel_err(got, dense) < 1.25 * rel_err(want, dense), (name, rel_err(got, dense), rel_err(want, dense))
+    else:
+        # the GPU's decompositions differ from the CPU's by rounding (and signs): the compressed models agree far
+        # more closely than either agrees with the dense model
+        assert rel_err(got, want) < 1e-2 * max(rel_err(want, dense), 1e-3) + 1e-4, (name, rel_err(got, want))
     gpu.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda").eval()
     # the same weights; only the memory alignment of the factor views may differ (rounding in the last bit)

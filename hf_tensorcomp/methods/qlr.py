@@ -162,10 +162,11 @@ class QuantizedLowRank(Method):
         return whitening_factor(stats.gram, entry.options["damping"])
 
     @staticmethod
-    def _rotation(in_features: int, entry) -> tuple[torch.Tensor, int] | None:
-        """(signs, block) of the input rotation with ``rotate=True`` (None: off, or an odd input width)."""
+    def _rotation(in_features: int, entry, device) -> tuple[torch.Tensor, int] | None:
+        """(signs, block) of the input rotation with ``rotate=True`` (None: off, or an odd input width); the signs on
+        the weight's `device`."""
         block = rotation_block(in_features) if entry.options["rotate"] else 1
-        return (rotation_signs(in_features), block) if block > 1 else None
+        return (rotation_signs(in_features).to(device), block) if block > 1 else None
 
     @staticmethod
     def _gptq(entry, estimating=False) -> bool:
@@ -237,7 +238,7 @@ class QuantizedLowRank(Method):
         how = entry.options["allocation"]
         d = stats.fisher.clamp_min(0).sqrt().double() if how in ("fisher", "measured") else None
         w = module.weight.detach().float()
-        rot = None if table else self._rotation(w.shape[1], entry)
+        rot = None if table else self._rotation(w.shape[1], entry, w.device)
         gram = self._gram(stats, entry, rot, estimating=True)
 
         def weighted(m, rows=slice(None)):
@@ -283,7 +284,7 @@ class QuantizedLowRank(Method):
             else:
                 bits, rank = entry.options["bits"], min(entry.rank, min(lin.weight.shape))
             s = self._whitening(stats, entry)
-            rot = self._rotation(lin.in_features, entry)
+            rot = self._rotation(lin.in_features, entry, lin.weight.device)
             q, a, b = self.fit(lin.weight, bits, rank, entry, stats, s, rot)
             bias = None if lin.bias is None else lin.bias.detach()
             new = QuantizedLowRankLinear.build(q, a, b, bias, lin.weight.dtype, rotation=rot)
