@@ -553,7 +553,7 @@ def _measured(m, entry, ladders: dict, layer_list, runner, model, table) -> dict
         key, mod = (len(layer_list), model.get_output_embeddings()) if n == table else (_layer_of(n), layer_list.get_submodule(n))
         groups.setdefault(key, {})[n] = mod
     kl = measured_kl(runner, groups, lambda n: m.probe(n, entry))
-    entry.__dict__.pop("_probes", None)  # those of one-rung ladders
+    m.drop_probes(entry)  # those of one-rung ladders
     for key, names in groups.items():
         base = sum(ladders[n][1][0] for n in names)
         if base > 0:

@@ -162,6 +162,10 @@ class Method:
         """Module `name`'s weight at the cheapest rung of the ladder `ladder` gave it (once, after `ladder`)."""
         raise NotImplementedError
 
+    def drop_probes(self, entry) -> None:
+        """Forget what `ladder` kept for `probe` (called once the measurement is done: those `probe` never asked
+        for, e.g. of one-rung ladders)."""
+
     def ladder_needs(self, entry) -> frozenset:
         """Statistics the `target` allocation reads (gathered in a first pass over the dense model)."""
         return frozenset()

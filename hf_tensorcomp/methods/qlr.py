@@ -150,6 +150,9 @@ class QuantizedLowRank(Method):
         q, rot = entry.__dict__["_probes"].pop(name)
         return self._approx(q, rot)
 
+    def drop_probes(self, entry) -> None:
+        entry.__dict__.pop("_probes", None)
+
     def budget(self, entry) -> float:
         return entry.options["target_bytes"]
 
