@@ -142,6 +142,12 @@ ROWS["qlr_bytes_0.27_b4568_act_rot"] = {**ROWS["qlr_bytes_0.27_b56_act_rot"], "b
 ROWS["qlr_bytes_0.21_b348_act_rot"] = {**ROWS["qlr_bytes_0.21_b348_act"], "rotate": True}
 ROWS["qlr_bytes_0.21_b3568_act_rot"] = {**ROWS["qlr_bytes_0.21_b56_act_rot"], "bit_choices": [3, 4, 5, 6, 8]}
 ROWS["qlr_bytes_0.27_b3568_act_rot"] = {**ROWS["qlr_bytes_0.27_b56_act_rot"], "bit_choices": [3, 4, 5, 6, 8]}
+# the default widths since: none narrower than the widest whose codes fit everywhere (0.33: from 4 bits, 0.40: from
+# 6), against the old default (3 bits and up) at the same budgets
+for _b in ("0.33", "0.40"):
+    ROWS[f"qlr_bytes_{_b}_b3568_act_rot"] = {**ROWS["qlr_bytes_0.27_b3568_act_rot"], "target_bytes": float(_b)}
+ROWS["qlr_bytes_0.33_b4568_act_rot"] = {**ROWS["qlr_bytes_0.27_b4568_act_rot"], "target_bytes": 0.33}
+ROWS["qlr_bytes_0.40_b68_act_rot"] = {**ROWS["qlr_bytes_0.27_b4568_act_rot"], "target_bytes": 0.40, "bit_choices": [6, 8]}
 # the same ladders, each decoder layer's level set to the KL its matrices measurably cause on their cheapest rung
 for _b in ("0.21", "0.27"):
     ROWS[f"qlr_bytes_{_b}_measured"] = {**ROWS[f"qlr_bytes_{_b}_b3568_act_rot"], "allocation": "measured"}

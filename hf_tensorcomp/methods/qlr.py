@@ -53,9 +53,10 @@ QUANTIZERS = ("gptq", "rtn")
 ALLOCATIONS = ("relative", "size", "fisher", "measured")
 ESTIMATES = ("rtn", "quantizer")
 RANK_RUNGS = (0, 8, 16, 32, 64, 128, 256)
-# The budget's default widths: 2-bit rungs only where 3 bits everywhere would not fit. Measured on both bundled
-# models (groups of 128, rotated): the Fisher-weighted score prices a 2-bit matrix below what it costs the model
-# (0.21 of the bytes: 1.309x / 1.356x dense perplexity with them, 1.266x / 1.303x without, on SmolLM2).
+# The budget's default widths (`QuantizedLowRank._default_bits`): none narrower than the widest that fits
+# everywhere; 2-bit rungs only where 3 bits everywhere would not fit. Measured on both bundled models (groups of
+# 128, rotated): the Fisher-weighted score prices a narrower matrix below what it costs the model (0.21 of the
+# bytes: 1.309x / 1.356x dense perplexity with 2-bit rungs, 1.266x / 1.303x without, on SmolLM2).
 DEFAULT_BITS = tuple(b for b in BITS if b != 2)
 
 
@@ -112,7 +113,8 @@ class QuantizedLowRank(Method):
         if c is not None:
             if (t is None or not isinstance(c, (list, tuple)) or not c or len(set(c)) != len(c)
                     or any(isinstance(b, bool) or b not in BITS for b in c)):
-                fail("bit_choices", c, f"None ({', '.join(map(str, DEFAULT_BITS))}; 2 too below 3 bits everywhere), or "
+                fail("bit_choices", c, "None (from the widest of 3, 4, 5, 6, 8 whose codes fit everywhere up; every width "
+                     "below 3 bits everywhere), or "
                      f"with target_bytes= a list of distinct widths from {', '.join(map(str, BITS))} (e.g. [3, 4]: one "
                      "int4 kernel call per matrix)")
             o["bit_choices"] = sorted(c)
@@ -218,15 +220,20 @@ class QuantizedLowRank(Method):
 
     @staticmethod
     def _default_bits(entry) -> tuple[int, ...]:
-        """`DEFAULT_BITS`, or every width when ``target_bytes`` is below 3-bit codes everywhere (their scale and
-        zero per group counted, the rotation's signs not: a budget just above that is still met by 3 bits with a
-        few matrices narrower, so 2 bits join there too)."""
-        three = stored_bytes((1, entry.group_size), 3, entry.group_size) / (2 * entry.group_size)  # over bf16
-        return DEFAULT_BITS if entry.options["target_bytes"] >= three * 1.02 else BITS
+        """The widths a byte budget chooses from by default: the widest width whose codes everywhere fit
+        ``target_bytes`` (their scale and zero per group counted, 2 % to spare) and every wider one; every width
+        when not even 3 bits fit. Narrower codes beside wider ones cost the model more than the Fisher-weighted
+        score prices them where one width fits everywhere (Gemma-3 at 0.27: 1.110x / 1.117x dense perplexity with
+        3-bit rungs, 1.068x / 1.095x without; at 0.21 2-bit rungs likewise)."""
+        t, g = entry.options["target_bytes"], entry.group_size
+        fits = [b for b in DEFAULT_BITS if t >= 1.02 * stored_bytes((1, g), b, g) / (2 * g)]  # over bf16
+        return tuple(b for b in DEFAULT_BITS if b >= fits[-1]) if fits else BITS
 
     def budget_hint(self, entry) -> str:
-        if entry.options["bit_choices"] is None and self._default_bits(entry) == DEFAULT_BITS:
-            return f", or bit_choices={list(BITS)} (the default leaves 2-bit codes out at this budget)"
+        left_out = [b for b in BITS if b not in self._default_bits(entry)]
+        if entry.options["bit_choices"] is None and left_out:
+            return (f", or bit_choices={list(BITS)} (the default leaves {', '.join(map(str, left_out))}-bit codes "
+                    "out at this budget)")
         return ""
 
     def ladder(self, name, module, stats, entry, bits=None, ranks=RANK_RUNGS, group_size=None, copies=1, table=False):
