@@ -452,6 +452,21 @@ def _by_layer(kinds: dict[str, frozenset]) -> dict[int, dict[str, frozenset]]:
 TABLE_BITS = (4, 8)  # the rungs of ``embedding_bits="auto"``
 
 
+def _table(model) -> tuple:
+    """(table name, head name or None, table, head or None, copies): copies 2 for an untied head, stored beside."""
+    emb_name, head_name = _embedding_names(model)
+    emb = model.get_submodule(emb_name)
+    head = model.get_submodule(head_name) if head_name else None
+    return emb_name, head_name, emb, head, 1 if head is None or head.weight is emb.weight else 2
+
+
+def _table_bytes(model, config) -> tuple[int, float]:
+    """(parameters, bf16-parameter cost at the widest width it may take) of the embedding table in a byte budget."""
+    _, _, emb, _, copies = _table(model)
+    bits = max(TABLE_BITS) if config.embedding_bits == "auto" else config.embedding_bits
+    return copies * emb.weight.numel(), copies * stored_bytes(tuple(emb.weight.shape), bits, config.embedding_group_size) / 2
+
+
 def _table_ladder(model, config, m, entry, runner) -> tuple[str, tuple[list, list], int]:
     """(key, (costs, losses), parameters) of the embedding table in a byte budget: one rung at fixed
     ``embedding_bits``; with ``"auto"`` the rungs 4 and 8 bits, their loss that of the output head (the
@@ -459,13 +474,9 @@ def _table_ladder(model, config, m, entry, runner) -> tuple[str, tuple[list, lis
     model's head inputs and output Fisher. An untied head is counted as a second table at the same bits."""
     from .calibration.stats import ModuleStats
 
-    emb_name, head_name = _embedding_names(model)
-    emb = model.get_submodule(emb_name)
-    head = model.get_submodule(head_name) if head_name else None
-    copies = 1 if head is None or head.weight is emb.weight else 2
-    params = copies * emb.weight.numel()
+    emb_name, head_name, emb, head, copies = _table(model)
+    params, cost = _table_bytes(model, config)
     if config.embedding_bits != "auto":
-        cost = copies * stored_bytes(tuple(emb.weight.shape), config.embedding_bits, config.embedding_group_size) / 2
         entry.__dict__.setdefault("_rungs", {})[emb_name] = [(config.embedding_bits, 0)]
         return emb_name, ([cost], [0.0]), params
     if head is None:
@@ -492,6 +503,11 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
         if not m.allocates(entry):
             continue
         names = [n for kk, ns in work if kk == k for n in ns]
+        total = sum(layer_list.get_submodule(n).weight.numel() for n in names)
+        is_table = k == table_entry(config.entries, config.embedding_bits)
+        if is_table:  # the share the modules keep once the table took its bytes (at its widest)
+            params, cost = _table_bytes(model, config)
+            m.set_module_share(entry, (m.budget(entry) * (total + params) - cost) / total)
         ladders = {}
         kinds = m.ladder_needs(entry)
         if kinds:
@@ -512,9 +528,8 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
                 raise ValueError("compress_checkpoint: a data-free global allocation reads every weight first; allowed: "
                                  "calibration= (its allocation pass streams the layers), or rank=")
             ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry) for n in names}
-        total = sum(layer_list.get_submodule(n).weight.numel() for n in names)
         table = None
-        if k == table_entry(config.entries, config.embedding_bits):
+        if is_table:
             table, ladders[table], params = _table_ladder(model, config, m, entry, runner)
             total += params
         measured = _measured(m, entry, ladders, layer_list, runner, model, table) if m.measures(entry) else None

@@ -162,6 +162,10 @@ class Method:
         """Module `name`'s weight at the cheapest rung of the ladder `ladder` gave it (once, after `ladder`)."""
         raise NotImplementedError
 
+    def set_module_share(self, entry, share: float) -> None:
+        """The fraction of the targeted modules' own size a budget leaves them once the embedding table took its
+        bytes (called before `ladder` when the table is in this entry's budget)."""
+
     def drop_probes(self, entry) -> None:
         """Forget what `ladder` kept for `probe` (called once the measurement is done: those `probe` never asked
         for, e.g. of one-rung ladders)."""

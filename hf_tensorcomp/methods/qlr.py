@@ -155,6 +155,9 @@ class QuantizedLowRank(Method):
     def drop_probes(self, entry) -> None:
         entry.__dict__.pop("_probes", None)
 
+    def set_module_share(self, entry, share: float) -> None:
+        entry.__dict__["_share"] = share  # what `_default_bits` measures the widths against
+
     def budget(self, entry) -> float:
         return entry.options["target_bytes"]
 
@@ -221,11 +224,12 @@ class QuantizedLowRank(Method):
     @staticmethod
     def _default_bits(entry) -> tuple[int, ...]:
         """The widths a byte budget chooses from by default: the widest width whose codes everywhere fit
-        ``target_bytes`` (their scale and zero per group counted, 2 % to spare) and every wider one; every width
-        when not even 3 bits fit. Narrower codes beside wider ones cost the model more than the Fisher-weighted
+        ``target_bytes`` (their scale and zero per group counted, 2 % to spare; with the embedding table in the
+        budget, what the table leaves the linears, `set_module_share`) and every wider one; every width when not
+        even 3 bits fit. Narrower codes beside wider ones cost the model more than the Fisher-weighted
         score prices them where one width fits everywhere (Gemma-3 at 0.27: 1.110x / 1.117x dense perplexity with
         3-bit rungs, 1.068x / 1.095x without; at 0.21 2-bit rungs likewise)."""
-        t, g = entry.options["target_bytes"], entry.group_size
+        t, g = entry.__dict__.get("_share", entry.options["target_bytes"]), entry.group_size
         fits = [b for b in DEFAULT_BITS if t >= 1.02 * stored_bytes((1, g), b, g) / (2 * g)]  # over bf16
         return tuple(b for b in DEFAULT_BITS if b >= fits[-1]) if fits else BITS
 
