@@ -789,8 +789,10 @@ def test_a_measured_allocation_gives_a_layer_that_barely_matters_fewer_bytes(tin
     model.save_pretrained(src)
 
     def spent(allocation):
+        # every width: the default's floor (6 bits at this budget) would leave the allocation nothing to starve
         cfg = TensorCompressionConfig(method="qlr", target_bytes=0.5, calibration=calib(), progress=False, group_size=16,
-                                      allocation=allocation, embedding_bits="auto", embedding_group_size=16)
+                                      allocation=allocation, embedding_bits="auto", embedding_group_size=16,
+                                      bit_choices=[2, 3, 4, 5, 6, 8])
         m = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg).eval()
         mods = m.config.quantization_config.stats["modules"]
         layer0 = sum(stored_bytes((m.get_submodule(n).out_features, m.get_submodule(n).in_features), st["bits"], 16)
