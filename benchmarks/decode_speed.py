@@ -51,6 +51,10 @@ for _f in ROWS.values():  # without the input rotation (qlr's default); `_rot` r
 ROWS["rtn4_rot"], ROWS["rtn4_r32_rot"], ROWS["rtn4_r32_rot_emb8"], ROWS["bytes0.27_rot"] = (
     {**ROWS[r], "rotate": True} for r in ("rtn4", "rtn4_r32", "rtn4_r32_emb8", "bytes0.27"))
 ROWS["rtn4_rot_each"] = {**ROWS["rtn4_rot"], "share": False}  # every linear rotating its own input
+# the default widths of a byte budget (0.27: 4, 5, 6 and 8 bits; 0.33 likewise; 0.40: 6 and 8), rotated
+for _b in ("0.27", "0.33", "0.40"):
+    ROWS[f"bytes{_b}_default_rot"] = {"method": "qlr", "target_bytes": float(_b), "quantizer": "rtn", "rounds": 1,
+                                      "allocation": "fisher"}
 
 
 def _build(job: dict, path, label: str, dtype, compressed: dict):

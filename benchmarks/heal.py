@@ -111,6 +111,11 @@ HEAL_OVERRIDES["qlr_bytes_0.21_b3568_act_rot_all_481w_150s"] = {**HEAL_OVERRIDES
 ROWS["qlr_bytes_0.21_b3568_act_rot_all_481w_150s_every4"] = ROWS["qlr_bytes_0.21_b3568_act_rot_all_481w_150s"]
 HEAL_OVERRIDES["qlr_bytes_0.21_b3568_act_rot_all_481w_150s_every4"] = {
     **HEAL_OVERRIDES["qlr_bytes_0.21_b3568_act_rot_all_481w_150s"], "every": 4, "eval_every": 75}
+# int4's bytes with the default widths there (4, 5, 6 and 8 bits), 150 steps, the loss on every 4th position
+ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"] = {**ROWS["qlr_bytes_0.27_b56_act_rot_all_481w_300s"],
+                                                            "bit_choices": [4, 5, 6, 8]}
+HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"] = HEAL_OVERRIDES[
+    "qlr_bytes_0.21_b3568_act_rot_all_481w_150s_every4"]
 
 
 def _one(job: dict, q) -> None:

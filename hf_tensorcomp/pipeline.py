@@ -467,18 +467,18 @@ def _table_bytes(model, config) -> tuple[int, float]:
     return copies * emb.weight.numel(), copies * stored_bytes(tuple(emb.weight.shape), bits, config.embedding_group_size) / 2
 
 
-def _table_ladder(model, config, m, entry, runner) -> tuple[str, tuple[list, list], int]:
+def _table_ladder(model, config, m, entry, runner, cost: float) -> tuple[str, tuple[list, list]]:
     """(key, (costs, losses), parameters) of the embedding table in a byte budget: one rung at fixed
     ``embedding_bits``; with ``"auto"`` the rungs 4 and 8 bits, their loss that of the output head (the
     table's error where it costs, see `quantize_embeddings`) by the entry's own rule, on the dense
-    model's head inputs and output Fisher. An untied head is counted as a second table at the same bits."""
+    model's head inputs and output Fisher. An untied head is counted as a second table at the same bits;
+    `cost`: the table's cost at its widest width (`_table_bytes`)."""
     from .calibration.stats import ModuleStats
 
     emb_name, head_name, emb, head, copies = _table(model)
-    params, cost = _table_bytes(model, config)
     if config.embedding_bits != "auto":
         entry.__dict__.setdefault("_rungs", {})[emb_name] = [(config.embedding_bits, 0)]
-        return emb_name, ([cost], [0.0]), params
+        return emb_name, ([cost], [0.0])
     if head is None:
         raise ValueError("TensorCompressionConfig.embedding_bits: 'auto' weighs the table by the output head's error, and "
                          "this model has no linear output head; allowed: embedding_bits=8 | 4")
@@ -489,7 +489,7 @@ def _table_ladder(model, config, m, entry, runner) -> tuple[str, tuple[list, lis
     stats.to(head.weight.device)  # gathered on the host, used beside the table
     ladder = m.ladder(emb_name, head, stats, entry, bits=TABLE_BITS, ranks=(0,), group_size=config.embedding_group_size,
                       copies=copies, table=True)
-    return emb_name, ladder, params
+    return emb_name, ladder
 
 
 def allocate(config, work, methods, layer_list, runner, stream=None, model=None) -> dict[int, dict]:
@@ -530,7 +530,7 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
             ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry) for n in names}
         table = None
         if is_table:
-            table, ladders[table], params = _table_ladder(model, config, m, entry, runner)
+            table, ladders[table] = _table_ladder(model, config, m, entry, runner, cost)
             total += params
         measured = _measured(m, entry, ladders, layer_list, runner, model, table) if m.measures(entry) else None
         budget = m.budget(entry) * total
