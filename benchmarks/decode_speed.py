@@ -55,8 +55,8 @@ ROWS["rtn4_rot_each"] = {**ROWS["rtn4_rot"], "share": False}  # every linear rot
 for _b in ("0.27", "0.33", "0.40"):
     ROWS[f"bytes{_b}_default_rot"] = {"method": "qlr", "target_bytes": float(_b), "quantizer": "rtn", "rounds": 1,
                                       "allocation": "fisher"}
-# the main job's shapes: 0.38 of the bytes of the linears and the table together, the table as 8-bit codes
-ROWS["bytes0.38_emb8_default_rot"] = {**ROWS["bytes0.40_default_rot"], "target_bytes": 0.38, "embedding_bits": 8}
+# the main job's shapes: 0.35 of the bytes of the linears and the table together, the table as 8-bit codes
+ROWS["bytes0.35_emb8_default_rot"] = {**ROWS["bytes0.40_default_rot"], "target_bytes": 0.35, "embedding_bits": 8}
 
 
 def _build(job: dict, path, label: str, dtype, compressed: dict):
@@ -162,7 +162,7 @@ def header(cfg: dict) -> str:
             "(Fisher allocation over every width, 2, 3, 4, 5, 6 and 8 bits, and ranks; round to nearest), "
             "`bytes0.27_rot` rotated, `bytes0.27_b34`: over 3 and 4 bits; `bytes0.33`: `target_bytes=0.33`; "
             "`bytes{0.27,0.33,0.40}_default_rot`: the default widths at that budget (from the widest that fits "
-            "everywhere up), rotated; `bytes0.38_emb8_default_rot`: the main job's shapes (0.38 of the linears' and "
+            "everywhere up), rotated; `bytes0.35_emb8_default_rot`: the main job's shapes (0.35 of the linears' and "
             "the table's bytes together, the table as 8-bit codes; round to nearest here). "
             "2-, 3- and 4-bit codes run PyTorch's CPU int4 kernel, 5-, 6- and 8-bit codes two calls of it. Nothing "
             "else running. Written by benchmarks/decode_speed.py.\n\n")

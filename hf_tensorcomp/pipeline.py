@@ -468,7 +468,7 @@ def _table_bytes(model, config) -> tuple[int, float]:
 
 
 def _table_ladder(model, config, m, entry, runner, cost: float) -> tuple[str, tuple[list, list]]:
-    """(key, (costs, losses), parameters) of the embedding table in a byte budget: one rung at fixed
+    """(key, (costs, losses)) of the embedding table in a byte budget: one rung at fixed
     ``embedding_bits``; with ``"auto"`` the rungs 4 and 8 bits, their loss that of the output head (the
     table's error where it costs, see `quantize_embeddings`) by the entry's own rule, on the dense
     model's head inputs and output Fisher. An untied head is counted as a second table at the same bits;
