@@ -15,6 +15,8 @@ each decoding once with every row (after a 4-token warm-up), the median and the 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +33,7 @@ DEFAULTS = {
     "calibration_samples": 32,
     "calibration_length": 256,
     "threads": 1,
+    "build_threads": os.cpu_count() or 1,  # compression only: speed depends on the shapes, not on the codes
     "rounds": 5,
 }
 ROWS = {
@@ -59,6 +62,24 @@ for _b in ("0.27", "0.33", "0.40"):
 ROWS["bytes0.35_emb8_default_rot"] = {**ROWS["bytes0.40_default_rot"], "target_bytes": 0.35, "embedding_bits": 8}
 
 
+@contextlib.contextmanager
+def _build_threads(n: int):
+    """Compress on `n` threads (the calibration passes and the decompositions), then back to the timing's."""
+    import torch
+
+    before, env = torch.get_num_threads(), os.environ.get("HF_TENSORCOMP_THREADS")
+    torch.set_num_threads(n)
+    os.environ["HF_TENSORCOMP_THREADS"] = str(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        if env is None:
+            os.environ.pop("HF_TENSORCOMP_THREADS", None)
+        else:
+            os.environ["HF_TENSORCOMP_THREADS"] = env
+
+
 def _build(job: dict, path, label: str, dtype, compressed: dict):
     """The row's model in `dtype`: compressed rows once (in float32, then cast: codes and float16 scales stay)."""
     import torch
@@ -75,8 +96,9 @@ def _build(job: dict, path, label: str, dtype, compressed: dict):
             cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", group_size=job["group_size"],
                                           calibration_samples=job["calibration_samples"],
                                           calibration_length=job["calibration_length"], **opts)
-            compressed[label] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                                     quantization_config=cfg).eval()
+            with _build_threads(job["build_threads"]):  # compression on every core; timing on `threads`
+                compressed[label] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                         quantization_config=cfg).eval()
             share_input_rotations(compressed[label], share)  # False: each rotated linear rotates its own input
         return compressed[label].to(dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -158,14 +180,14 @@ def header(cfg: dict) -> str:
             "(`qlr`'s default: a block-Hadamard product on each input, q / k / v and gate / up sharing theirs: four a "
             "layer); `rtn4_rot_each`: every linear rotating its own input (seven a layer); `rtn4_r32`: plus a rank-32 "
             "whitened correction, `rtn4_r32_rot` rotated; `rtn4_r32_rot_emb8`: with the embedding and the tied head "
-            "as 8-bit codes too (the main job's shapes). On request (`--recipe`): `bytes0.27`: `target_bytes=0.27` "
+            "as 8-bit codes too (the main job's shapes before 0.35). On request (`--recipe`): `bytes0.27`: `target_bytes=0.27` "
             "(Fisher allocation over every width, 2, 3, 4, 5, 6 and 8 bits, and ranks; round to nearest), "
             "`bytes0.27_rot` rotated, `bytes0.27_b34`: over 3 and 4 bits; `bytes0.33`: `target_bytes=0.33`; "
             "`bytes{0.27,0.33,0.40}_default_rot`: the default widths at that budget (from the widest that fits "
             "everywhere up), rotated; `bytes0.35_emb8_default_rot`: the main job's shapes (0.35 of the linears' and "
             "the table's bytes together, the table as 8-bit codes; round to nearest here). "
-            "2-, 3- and 4-bit codes run PyTorch's CPU int4 kernel, 5-, 6- and 8-bit codes two calls of it. Nothing "
-            "else running. Written by benchmarks/decode_speed.py.\n\n")
+            "2-, 3- and 4-bit codes run PyTorch's CPU int4 kernel, 5-, 6- and 8-bit codes two calls of it. The "
+            "compression (untimed) on every core, the timing on the thread count above. Nothing else running. Written by benchmarks/decode_speed.py.\n\n")
 
 
 if __name__ == "__main__":
