@@ -148,6 +148,11 @@ for _b in ("0.33", "0.40"):
     ROWS[f"qlr_bytes_{_b}_b3568_act_rot"] = {**ROWS["qlr_bytes_0.27_b3568_act_rot"], "target_bytes": float(_b)}
 ROWS["qlr_bytes_0.33_b4568_act_rot"] = {**ROWS["qlr_bytes_0.27_b4568_act_rot"], "target_bytes": 0.33}
 ROWS["qlr_bytes_0.40_b68_act_rot"] = {**ROWS["qlr_bytes_0.27_b4568_act_rot"], "target_bytes": 0.40, "bit_choices": [6, 8]}
+# the README's main job (recipes/qlr_smollm2.json): 0.35 of the linears' and the table's bytes together, the table
+# and the tied head as 8-bit codes, the default widths (bit_choices=None)
+ROWS["qlr_bytes_0.35_emb8_act_rot"] = {**ROWS["qlr_bytes_0.40_b68_act_rot"], "target_bytes": 0.35, "bit_choices": None,
+                                       "embedding_bits": 8}
+ROWS["qlr_bytes_0.33_emb8_act_rot"] = {**ROWS["qlr_bytes_0.35_emb8_act_rot"], "target_bytes": 0.33}
 # the same ladders, each decoder layer's level set to the KL its matrices measurably cause on their cheapest rung
 for _b in ("0.21", "0.27"):
     ROWS[f"qlr_bytes_{_b}_measured"] = {**ROWS[f"qlr_bytes_{_b}_b3568_act_rot"], "allocation": "measured"}
