@@ -180,14 +180,16 @@ def header(cfg: dict) -> str:
             "(`qlr`'s default: a block-Hadamard product on each input, q / k / v and gate / up sharing theirs: four a "
             "layer); `rtn4_rot_each`: every linear rotating its own input (seven a layer); `rtn4_r32`: plus a rank-32 "
             "whitened correction, `rtn4_r32_rot` rotated; `rtn4_r32_rot_emb8`: with the embedding and the tied head "
-            "as 8-bit codes too (the main job's shapes before 0.35). On request (`--recipe`): `bytes0.27`: `target_bytes=0.27` "
+            "as 8-bit codes too (the main job's shapes before 0.35). On request (`--recipe`): `bytes0.27`: "
+            "`target_bytes=0.27` "
             "(Fisher allocation over every width, 2, 3, 4, 5, 6 and 8 bits, and ranks; round to nearest), "
             "`bytes0.27_rot` rotated, `bytes0.27_b34`: over 3 and 4 bits; `bytes0.33`: `target_bytes=0.33`; "
             "`bytes{0.27,0.33,0.40}_default_rot`: the default widths at that budget (from the widest that fits "
             "everywhere up), rotated; `bytes0.35_emb8_default_rot`: the main job's shapes (0.35 of the linears' and "
             "the table's bytes together, the table as 8-bit codes; round to nearest here). "
             "2-, 3- and 4-bit codes run PyTorch's CPU int4 kernel, 5-, 6- and 8-bit codes two calls of it. The "
-            "compression (untimed) on every core, the timing on the thread count above. Nothing else running. Written by benchmarks/decode_speed.py.\n\n")
+            "compression (untimed) on every core, the timing on the thread count above. Nothing else running. "
+            "Written by benchmarks/decode_speed.py.\n\n")
 
 
 if __name__ == "__main__":
