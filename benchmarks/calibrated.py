@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, in_child, load_recipe, markdown_table, per_model, write_json  # noqa: E402
+from common import RESULTS, in_child, load_recipe, markdown_table, per_model, set_threads, write_json  # noqa: E402
 
 DEFAULTS = {
     "models": ["smollm2", "gemma3"],
@@ -107,8 +106,7 @@ def _targeted_kept(model, patterns, stats) -> float:
 def _one(job: dict, q) -> None:
     import torch
 
-    torch.set_num_threads(job["threads"])
-    os.environ["HF_TENSORCOMP_THREADS"] = str(job["threads"])
+    set_threads(job["threads"])
     import hf_tensorcomp
     from hf_tensorcomp import TensorCompressionConfig, assets
     from hf_tensorcomp.eval import perplexity

@@ -205,14 +205,26 @@ def bench_main(doc: str, name: str, defaults: dict, run, report, plot, header) -
     print(md)
 
 
+def thread_count(n, field: str = "threads") -> int:
+    """`n`, refused unless an int >= 1; `field`: the recipe key it came from, named in the message."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise SystemExit(f"{field}: got {n!r}; allowed: an int >= 1 (CPU threads)")
+    return n
+
+
+def set_threads(n, field: str = "threads") -> None:
+    """Run torch and hf_tensorcomp's decompositions (env ``HF_TENSORCOMP_THREADS``) on `n` CPU threads."""
+    torch.set_num_threads(thread_count(n, field))
+    os.environ["HF_TENSORCOMP_THREADS"] = str(n)
+
+
 def child_setup(job: dict):
     """A benchmark child's start: its thread count, the model's folder and tokenizer, and its row."""
     from transformers import AutoTokenizer
 
     from hf_tensorcomp.assets import model_path
 
-    torch.set_num_threads(job["threads"])
-    os.environ["HF_TENSORCOMP_THREADS"] = str(job["threads"])
+    set_threads(job["threads"])
     path = model_path(job["model"])
     return path, AutoTokenizer.from_pretrained(path), {"model": job["model"], "row": job["row"]}
 

@@ -15,13 +15,13 @@ each decoding once with every row (after a 4-token warm-up), the median and the 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import _without_inference_mode, bench_main, child_setup, decode_tokens_per_s, interleaved, markdown_table, per_model  # noqa: E402
+from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, interleaved,  # noqa: E402
+                    markdown_table, per_model, set_threads, thread_count)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
 NAME = "decode_speed"
@@ -62,24 +62,6 @@ for _b in ("0.27", "0.33", "0.40"):
 ROWS["bytes0.35_emb8_default_rot"] = {**ROWS["bytes0.40_default_rot"], "target_bytes": 0.35, "embedding_bits": 8}
 
 
-@contextlib.contextmanager
-def _build_threads(n: int):
-    """Compress on `n` threads (the calibration passes and the decompositions), then back to the timing's."""
-    import torch
-
-    before, env = torch.get_num_threads(), os.environ.get("HF_TENSORCOMP_THREADS")
-    torch.set_num_threads(n)
-    os.environ["HF_TENSORCOMP_THREADS"] = str(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-        if env is None:
-            os.environ.pop("HF_TENSORCOMP_THREADS", None)
-        else:
-            os.environ["HF_TENSORCOMP_THREADS"] = env
-
-
 def _build(job: dict, path, label: str, dtype, compressed: dict):
     """The row's model in `dtype`: compressed rows once (in float32, then cast: codes and float16 scales stay)."""
     import torch
@@ -96,9 +78,12 @@ def _build(job: dict, path, label: str, dtype, compressed: dict):
             cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", group_size=job["group_size"],
                                           calibration_samples=job["calibration_samples"],
                                           calibration_length=job["calibration_length"], **opts)
-            with _build_threads(job["build_threads"]):  # compression on every core; timing on `threads`
+            set_threads(job["build_threads"], "build_threads")  # compression on every core; timing on `threads`
+            try:
                 compressed[label] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                                          quantization_config=cfg).eval()
+            finally:
+                set_threads(job["threads"])
             share_input_rotations(compressed[label], share)  # False: each rotated linear rotates its own input
         return compressed[label].to(dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -135,6 +120,7 @@ def run(cfg: dict) -> list[dict]:
 
     from common import RESULTS, in_child, write_json
 
+    thread_count(cfg["threads"]), thread_count(cfg["build_threads"], "build_threads")  # before any child starts
     path = RESULTS / f"{NAME}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     labels = list(dict.fromkeys(["dense", *cfg["rows"]]))
