@@ -116,6 +116,10 @@ ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"] = {**ROWS["qlr_bytes_0
                                                             "bit_choices": [4, 5, 6, 8]}
 HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"] = HEAL_OVERRIDES[
     "qlr_bytes_0.21_b3568_act_rot_all_481w_150s_every4"]
+# the same with 300 windows sampled from the dense teacher added to the 421 it trains on (text of no one corpus)
+ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_gen300"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
+HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_gen300"] = {
+    **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"], "generated": 300}
 
 
 def _one(job: dict, q) -> None:
