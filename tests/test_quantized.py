@@ -487,6 +487,30 @@ def test_bfloat16_model_runs_the_kernel_and_gradients_take_the_dequantized_path(
     assert layer.rotation_block and torch.allclose(x.grad.float(), w.sum(0).float(), rtol=0.02, atol=0.02)
 
 
+@pytest.mark.parametrize("factor_bits", [None, 8])
+def test_bfloat16_correction_keeps_float32_factors_and_follows_their_changes(tiny_dirs, factor_bits):
+    m = _qlr(tiny_dirs, rank=4, group_size=32, factor_bits=factor_bits, rotate=False).to(torch.bfloat16)
+    layer = next(x for x in m.modules() if isinstance(x, QuantizedLowRankLinear))
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+
+    def uncached():  # the correction cast at every call, as before the cache
+        y = layer.factor_linear(x, "weight")
+        c = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), layer.lora_A.float()), layer.lora_B.float())
+        return y + c.to(y.dtype)
+
+    with torch.no_grad():
+        assert torch.equal(layer(x), uncached())
+        a = layer.__dict__["_float_factors"][1]
+        assert a.dtype == torch.float32 and torch.equal(layer(x), uncached()) and layer.__dict__["_float_factors"][1] is a
+        name = "lora_A_scale" if factor_bits else "lora_A"
+        getattr(layer, name).mul_(2)  # an in-place change (an optimiser step, a load) rebuilds the copies
+        assert torch.equal(layer(x), uncached()) and layer.__dict__["_float_factors"][1] is not a
+    assert not any("float_factors" in k for k in m.state_dict())
+    if factor_bits is None:
+        layer(x).float().sum().backward()  # with gradients the factors themselves are used: they get a gradient
+        assert layer.lora_A.grad is not None and layer.lora_A.grad.abs().sum() > 0
+
+
 def test_casting_a_quantized_model_keeps_its_stored_scales(tiny_dirs, tmp_path, ids):
     m = _qlr(tiny_dirs, rank=4, group_size=32)
     layer = next(x for x in m.modules() if isinstance(x, QuantizedLowRankLinear))
