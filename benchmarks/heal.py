@@ -80,6 +80,8 @@ HEAL_OVERRIDES["laser0.6_481w_150s_gen600"] = {**HEAL_OVERRIDES["laser0.6_481w_1
 ROWS["laser0.8_gpu_600s"] = ROWS["laser0.8"]
 HEAL_OVERRIDES["laser0.8_gpu_600s"] = {"samples": 481, "batch_size": 8, "steps": 600, "eval_every": 100,
                                        "precision": "bfloat16"}
+ROWS["laser0.6_gpu_600s"] = ROWS["laser0.6"]
+HEAL_OVERRIDES["laser0.6_gpu_600s"] = HEAL_OVERRIDES["laser0.8_gpu_600s"]
 ROWS["laser0.8_481w_300s_wikihow"] = ROWS["laser0.8"]  # the 300-step row again, with the BIG-bench accuracy
 HEAL_OVERRIDES["laser0.8_481w_300s_wikihow"] = HEAL_OVERRIDES["laser0.8_481w_300s"]
 # qlr at int4's bytes (3-bit rungs), scales trained too, every window, 300 steps
