@@ -11,6 +11,7 @@ each decoding once with every row (after a 4-token warm-up), the median and the 
 
     python benchmarks/decode_speed.py
     python benchmarks/decode_speed.py --report-only
+    python benchmarks/decode_speed.py --recipe R   # R: {"models": [...], "rows": [...], "retime": true}
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ DEFAULTS = {
     "threads": 1,
     "build_threads": os.cpu_count() or 1,  # compression only: speed depends on the shapes, not on the codes
     "rounds": 5,
+    "retime": False,  # True: time the models again although all their rows are in the JSON (after a speed fix)
 }
 ROWS = {
     "rtn4": {"method": "qlr", "rank": 0, "quantizer": "rtn", "whiten": False},
@@ -114,18 +116,20 @@ def _model(job: dict, q) -> None:
 
 
 def run(cfg: dict) -> list[dict]:
-    """One child per model whose rows are not all in ``results/decode_speed.json``; its rows replace that
-    model's old ones (ratios only within one run)."""
+    """One child per model whose rows are not all in ``results/decode_speed.json`` (every model with
+    ``retime``); its rows replace that model's old ones (ratios only within one run)."""
     import json
 
     from common import RESULTS, in_child, write_json
 
     thread_count(cfg["threads"]), thread_count(cfg["build_threads"], "build_threads")  # before any child starts
+    if not isinstance(cfg["retime"], bool):
+        raise SystemExit(f"retime: got {cfg['retime']!r}; allowed: true or false")
     path = RESULTS / f"{NAME}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     labels = list(dict.fromkeys(["dense", *cfg["rows"]]))
     for model in cfg["models"]:
-        if {(model, lb) for lb in labels} <= {(r["model"], r["row"]) for r in rows}:
+        if not cfg["retime"] and {(model, lb) for lb in labels} <= {(r["model"], r["row"]) for r in rows}:
             continue
         new = in_child(_model, {**cfg, "model": model, "rows": labels}, model)
         if new is None:
