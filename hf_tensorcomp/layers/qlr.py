@@ -77,15 +77,15 @@ class QuantizedLowRankLinear(FactorizedModule):
         if self.rank:
             if x.dtype == torch.bfloat16 and x.device.type == "cpu":
                 # two thin bfloat16 products cost ~3x their float32 equivalents on CPU at decode shapes
-                a, b = self._float_correction() if not torch.is_grad_enabled() else (self.lora_A.float(), self.lora_B.float())
+                a, b = (self.lora_A.float(), self.lora_B.float()) if torch.is_grad_enabled() else self._float_correction()
                 return y + F.linear(F.linear(x.float(), a), b).to(y.dtype)
             y = y + F.linear(F.linear(x, self.lora_A), self.lora_B)
         return y
 
     def _float_correction(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 copies of ``lora_A`` / ``lora_B`` for inference on CPU in a bfloat16 model, made on first use
-        and remade when the factors change (a step, a load, a move; keyed like `_int4_kernel`): casting both
-        factors at every call doubled the casts of a decode step. Not part of the state dict."""
+        """float32 copies of ``lora_A`` / ``lora_B`` for inference on CPU in a bfloat16 model, made on first
+        use and remade when the factors change (a step, a load, a move; keyed like `_int4_kernel`): casting
+        both factors at every call doubled the casts of a decode step. Not part of the state dict."""
         q = self.__dict__.get("_qfactors", {})
         stored = self._buffers | self._parameters
         parts = [stored[k] for n in ("lora_A", "lora_B")
@@ -93,7 +93,8 @@ class QuantizedLowRankLinear(FactorizedModule):
         key = tuple((t.data_ptr(), t._version) for t in parts)
         cached = self.__dict__.get("_float_factors")
         if cached is None or cached[0] != key:
-            cached = self.__dict__["_float_factors"] = (key, self.lora_A.detach().float(), self.lora_B.detach().float())
+            a, b = self.lora_A.detach().float(), self.lora_B.detach().float()
+            cached = self.__dict__["_float_factors"] = (key, a, b)
         return cached[1], cached[2]
 
     def base_weight(self) -> torch.Tensor:
