@@ -176,23 +176,29 @@ class FactorizedModule(nn.Module):
     def _int4_kernel(self, name: str) -> Int4Kernel | None:
         """The kernel layout of a quantized factor, built on first use and rebuilt when its buffers change
         (a load, a move); not part of the state dict."""
-        parts = [self._buffers[n] for n in (name, f"{name}_scale", f"{name}_zero")]
+        parts = self._factor_tensors(name)
         if any(t.device.type != "cpu" for t in parts):
             return None
-        key = tuple((t.data_ptr(), t._version) for t in parts)
+        key = change_key(parts)
         cache = self.__dict__.setdefault("_kernels", {})
         if name not in cache or cache[name][0] != key:
             bits, group, shape, _ = self.__dict__["_qfactors"][name]
             cache[name] = (key, Int4Kernel.build(QTensor(unpack(parts[0], bits), parts[1], parts[2], bits, group, shape)))
         return cache[name][1]
 
+    def _factor_tensors(self, name: str) -> list[torch.Tensor]:
+        """The tensors that store factor `name`: its codes, scale and zero point when quantized (the scale a
+        parameter while `train_scales` trains it), else the parameter itself."""
+        if name not in self.__dict__.get("_qfactors", {}):
+            return [self._parameters[name]]
+        scale = f"{name}_scale"
+        return [self._buffers[name], self._buffers.get(scale, self._parameters.get(scale)), self._buffers[f"{name}_zero"]]
+
     def __getattr__(self, name: str):
         q = self.__dict__.get("_qfactors")
         if q is not None and name in q:
             bits, group, shape, dtype = q[name]
-            buffers = self.__dict__["_buffers"]
-            codes, zero = buffers[name], buffers[f"{name}_zero"]
-            scale = buffers.get(f"{name}_scale", self.__dict__["_parameters"].get(f"{name}_scale"))  # `train_scales`
+            codes, scale, zero = self._factor_tensors(name)
             if "meta" in (codes.device.type, scale.device.type, zero.device.type):
                 return codes  # a skeleton being loaded: the loader reads and fills the stored tensor itself
             return QTensor(unpack(codes, bits), scale, zero, bits, group, shape).dequantize(dtype)
@@ -218,6 +224,12 @@ class FactorizedModule(nn.Module):
             if self.bias is not None:
                 lin.bias.copy_(self.bias)
         return lin
+
+
+def change_key(tensors) -> tuple:
+    """What a cache built from `tensors` is keyed on: their device, storage and in-place version (a load, a
+    move or an optimiser step changes it; tensors made under inference mode have no version, and cannot change)."""
+    return tuple((t.device, t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors)
 
 
 def _layer_class(spec: dict) -> type[FactorizedModule]:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decompositions.einsort import EinSortTensor
-from .base import FactorizedModule, register_layer
+from .base import FactorizedModule, change_key, register_layer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _BUFFERS = ("pivots", "perm", "signs")
@@ -100,8 +100,7 @@ class EinSortLinear(FactorizedModule):
 
     def _weight_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight at ``dtype``: kept from an earlier call unless a stored tensor moved or changed."""
-        # in-place changes bump a tensor's version; tensors made under inference mode have none (and cannot change)
-        key = (dtype, *((t.device, t.data_ptr(), 0 if t.is_inference() else t._version) for t in self._stored()))
+        key = (dtype, *change_key(self._stored()))
         if self._cached is None or self._cached[0] != key:
             self._cached = None  # free the old weight before building the new one
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable outside inference mode too

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decompositions.hadamard import rotate, unrotate
-from .base import FactorizedModule, register_layer
+from .base import FactorizedModule, change_key, register_layer
 
 
 @register_layer
@@ -86,11 +86,7 @@ class QuantizedLowRankLinear(FactorizedModule):
         """float32 copies of ``lora_A`` / ``lora_B`` for inference on CPU in a bfloat16 model, made on first
         use and remade when the factors change (a step, a load, a move; keyed like `_int4_kernel`): casting
         both factors at every call doubled the casts of a decode step. Not part of the state dict."""
-        q = self.__dict__.get("_qfactors", {})
-        stored = self._buffers | self._parameters
-        parts = [stored[k] for n in ("lora_A", "lora_B")
-                 for k in ((n, f"{n}_scale", f"{n}_zero") if n in q else (n,))]
-        key = tuple((t.data_ptr(), t._version) for t in parts)
+        key = change_key(self._factor_tensors("lora_A") + self._factor_tensors("lora_B"))
         cached = self.__dict__.get("_float_factors")
         if cached is None or cached[0] != key:
             a, b = self.lora_A.detach().float(), self.lora_B.detach().float()

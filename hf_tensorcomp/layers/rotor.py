@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decompositions import clifford as cl
-from .base import FactorizedModule, register_layer
+from .base import FactorizedModule, change_key, register_layer
 
 CHUNKINGS = ("wrap", "pad")
 
@@ -214,7 +214,7 @@ class RotorLinear(FactorizedModule):
 
     def _rotors(self):
         """Per level: (left rotors, right rotors) as `SimpleRotors` with leading dim branches*pairs."""
-        key = (self.weight._version, self.warm._version, self.weight.data_ptr())
+        key = change_key((self.weight, self.warm))
         caching = not (self.training and torch.is_grad_enabled())
         if caching and self._cache is not None and self._cache[0] == key:
             return self._cache[1]
