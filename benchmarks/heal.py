@@ -122,6 +122,11 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"] = HEAL_OVERR
 ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_gen300"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
 HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_gen300"] = {
     **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"], "generated": 300}
+# the same 150 steps at twice the step size (the held-out best was the last step of every 150-step row); float32
+# as that row trained ("auto" is bfloat16 on a CPU with native bfloat16)
+ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lr2"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
+HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lr2"] = {
+    **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"], "lr": 0.002, "precision": "float32"}
 
 
 def _one(job: dict, q) -> None:
