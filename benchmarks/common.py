@@ -218,15 +218,25 @@ def set_threads(n, field: str = "threads") -> None:
     os.environ["HF_TENSORCOMP_THREADS"] = str(n)
 
 
+def cpu_kind() -> str:
+    """The CPU's vector instructions as torch dispatches them ("AVX2", "AVX512", ...), and whether it
+    multiplies bfloat16 natively (then healing's ``precision="auto"`` is bfloat16): timings depend on both."""
+    from hf_tensorcomp.healing import resolve_precision
+
+    native = resolve_precision("auto", torch.device("cpu")) == "bfloat16"
+    return torch.backends.cpu.get_cpu_capability() + (", native bfloat16" if native else "")
+
+
 def child_setup(job: dict):
-    """A benchmark child's start: its thread count, the model's folder and tokenizer, and its row."""
+    """A benchmark child's start: its thread count, the model's folder and tokenizer, and its row (with the
+    CPU it runs on, `cpu_kind`)."""
     from transformers import AutoTokenizer
 
     from hf_tensorcomp.assets import model_path
 
     set_threads(job["threads"])
     path = model_path(job["model"])
-    return path, AutoTokenizer.from_pretrained(path), {"model": job["model"], "row": job["row"]}
+    return path, AutoTokenizer.from_pretrained(path), {"model": job["model"], "row": job["row"], "cpu": cpu_kind()}
 
 
 def ppl_both(model, tok, max_tokens: int) -> dict:

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, interleaved,  # noqa: E402
-                    markdown_table, per_model, set_threads, thread_count)
+from common import (_without_inference_mode, bench_main, child_setup, cpu_kind, decode_tokens_per_s,  # noqa: E402
+                    interleaved, markdown_table, per_model, set_threads, thread_count)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
 NAME = "decode_speed"
@@ -102,7 +102,8 @@ def _model(job: dict, q) -> None:
     import torch
 
     path, tok, _ = child_setup({**job, "row": None})
-    out = {label: {"model": job["model"], "row": label, "rounds": job["rounds"]} for label in job["rows"]}
+    cpu = cpu_kind()
+    out = {label: {"model": job["model"], "row": label, "cpu": cpu, "rounds": job["rounds"]} for label in job["rows"]}
     compressed: dict = {}
     for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         models = {label: _build(job, path, label, dtype, compressed) for label in job["rows"]}
@@ -147,7 +148,7 @@ def report(rows: list[dict]) -> str:
                 r[f"x_{k}"] = r[f"tok_s_{k}"] / dense[f"tok_s_{k}"]
                 r[f"x_{k}_best"] = r.get(f"tok_s_{k}_best", r[f"tok_s_{k}"]) / dense.get(f"tok_s_{k}_best", dense[f"tok_s_{k}"])
             r["x_bf16_vs_fp32_dense"] = r["tok_s_bf16"] / dense["tok_s_fp32"]
-        out.append(f"### {model}\n")
+        out.append(f"### {model}\n\nCPU (torch's dispatch): {dense.get('cpu', 'not recorded')}\n")
         out.append(markdown_table(rs, [
             ("row", "row", "{}"), ("tok_s_fp32", "tok/s float32 (median)", "{:.1f}"), ("x_fp32", "vs dense float32", "{:.2f}x"),
             ("x_fp32_best", "best rounds' ratio", "{:.2f}x"), ("tok_s_bf16", "tok/s bfloat16 (median)", "{:.1f}"),
