@@ -210,7 +210,7 @@ def report(rows: list[dict]) -> str:
             if "wikihow" in r and "wikihow" in dense:
                 t["acc"] = (f"{dense['wikihow']:.3f} / {r['before']['wikihow']:.3f} → {r['wikihow']:.3f} "
                             f"± {r['wikihow_se']:.3f} (n={r['wikihow_n']})")
-            # a GPU row: the device instead; a CPU row its kind where recorded (rows from before it: AVX2)
+            # a GPU row: the device instead; a CPU row its kind where recorded (rows from before the field: none)
             t["threads"] = r.get("device") or ", ".join(str(v) for v in (r.get("threads", "-"), r.get("cpu")) if v)
             for c in ("wikipedia", "owt"):
                 t[f"before_{c}"] = r["ppl_before"][c] / dense["ppl"][c]
