@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (_without_inference_mode, bench_main, child_setup, cpu_kind, decode_tokens_per_s,  # noqa: E402
-                    interleaved, markdown_table, per_model, set_threads, thread_count)
+from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, interleaved,  # noqa: E402
+                    markdown_table, per_model, set_threads, thread_count)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
 NAME = "decode_speed"
@@ -101,9 +101,8 @@ def _model(job: dict, q) -> None:
 
     import torch
 
-    path, tok, _ = child_setup({**job, "row": None})
-    cpu = cpu_kind()
-    out = {label: {"model": job["model"], "row": label, "cpu": cpu, "rounds": job["rounds"]} for label in job["rows"]}
+    path, tok, base = child_setup({**job, "row": None})
+    out = {label: {**base, "row": label, "rounds": job["rounds"]} for label in job["rows"]}
     compressed: dict = {}
     for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         models = {label: _build(job, path, label, dtype, compressed) for label in job["rows"]}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -11,12 +10,6 @@ from transformers import PreTrainedTokenizerFast
 
 import hf_tensorcomp  # noqa: F401  (registers the quantizer)
 from tiny import ARCHS, VOCAB, _tiny
-
-# optimum-quanto imports torch's cpp_extension, which imports setuptools, whose distutils override asserts
-# that it wins; in a long test process it intermittently does not (the --peers test failed so in a full
-# run and passed alone). The library sets this before its own quanto import; a test that imports quanto
-# itself (importorskip) needs it set first as well.
-os.environ.setdefault("SETUPTOOLS_USE_DISTUTILS", "stdlib")
 
 
 @pytest.fixture(scope="session")
