@@ -160,7 +160,7 @@ for _b in ("0.21", "0.27"):
     ROWS[f"qlr_bytes_{_b}_b3568_act_rot_c128"] = {**ROWS[f"qlr_bytes_{_b}_b3568_act_rot"], "calibration_samples": 128}
 # GPTQ's damping (lambda x mean(diag XᵀX) added to the Gram; default 0.01): does a Gram leaning further towards
 # round-to-nearest's identity keep 3-bit codes closer on the text it was not fitted on?
-for _d in ("0.03", "0.1", "0.3"):
+for _d in ("0.1", "0.3"):
     ROWS[f"gptq3_search_act_rot_d{_d}"] = {**ROWS["gptq3_search_act_rot"], "gptq_damping": float(_d)}
 
 
