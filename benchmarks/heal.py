@@ -127,11 +127,6 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_gen300"] = {
 ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lr2"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
 HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lr2"] = {
     **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"], "lr": 0.002, "precision": "float32"}
-# the same 150 end-to-end steps after a layer-wise pass (each decoder layer's output matched to the dense layer's on
-# propagated inputs, 50 steps a layer): the hidden states carry more of the teacher per token than its logits do
-ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_both"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
-HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_both"] = {
-    **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"], "mode": "both", "precision": "float32"}
 
 
 def _one(job: dict, q) -> None:

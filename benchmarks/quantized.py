@@ -162,6 +162,11 @@ for _b in ("0.21", "0.27"):
 # round-to-nearest's identity keep 3-bit codes closer on the text it was not fitted on?
 for _d in ("0.1", "0.3"):
     ROWS[f"gptq3_search_act_rot_d{_d}"] = {**ROWS["gptq3_search_act_rot"], "gptq_damping": float(_d)}
+# 3-bit codes in groups of 64 (a float16 scale and a uint8 zero per 64 weights: 0.211 of the bf16 bytes)
+ROWS["gptq3_search_act_rot_g64"] = {**ROWS["gptq3_search_act_rot"], "group_size": 64}
+# and round to nearest in the same rotated basis (no calibration at all): how much of the 3-bit codes' loss on the
+# other corpus is GPTQ fitting the calibration text?
+ROWS["rtn3_search_rot"] = {**ROWS["gptq3_search_act_rot"], "quantizer": "rtn", "whiten": False, "act_order": False}
 
 
 def _linear_bytes(model) -> tuple[int, int]:
@@ -369,7 +374,7 @@ def _one(job: dict, q) -> None:
     else:
         fields = dict(ROWS[job["row"]])
         if fields["method"] == "qlr" or "factor_bits" in fields:
-            fields["group_size"] = job["group_size"]
+            fields.setdefault("group_size", job["group_size"])  # a row may set its own
         if "embedding_bits" in fields:
             fields["embedding_group_size"] = job["group_size"]
         if fields["method"] == "laser":
