@@ -107,7 +107,6 @@ def _one(job: dict, q) -> None:
     import torch
 
     set_threads(job["threads"])
-    import hf_tensorcomp
     from hf_tensorcomp import TensorCompressionConfig, assets
     from hf_tensorcomp.eval import perplexity
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -44,7 +44,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, decode_tokens_per_s, load_recipe, markdown_table, ppl, write_json  # noqa: E402
+from common import RESULTS, decode_tokens_per_s, load_recipe, markdown_table, ppl, set_threads, write_json  # noqa: E402
 
 from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.assets import model_path  # noqa: E402
@@ -424,7 +424,7 @@ def main():
         plot(saved["rows"], RESULTS / "einsort.png")
         return
     cfg = load_recipe(args.recipe, DEFAULTS)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     saved = json.loads((RESULTS / "einsort.json").read_text()) if (RESULTS / "einsort.json").is_file() else {}
     rows = [r for r in saved.get("rows", []) if r["part"] not in args.parts]  # other parts' rows are kept
     t0 = time.perf_counter()

@@ -46,7 +46,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, markdown_table, write_json  # noqa: E402
+from common import RESULTS, markdown_table, set_threads, write_json  # noqa: E402
 
 from hf_tensorcomp import EinSortCache  # noqa: E402
 from hf_tensorcomp.assets import load_text, model_path  # noqa: E402
@@ -243,7 +243,7 @@ def scaling(lengths=SCALING_LENGTHS, steps: int = 16, rank: float = 0.25, thread
     filled by one prefill of `length` tokens of Wikipedia text, then all take `steps` single-token steps
     in turn (round robin, so a slow spell of the machine falls on all of them); the median step is
     reported, and each cache's slope (least squares of ms/token on the length) in ms per 1,000 tokens."""
-    torch.set_num_threads(threads)
+    set_threads(threads)
     path = model_path("smollm2")
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -335,7 +335,7 @@ def main(argv=None):
         recipe.update({k: v for k, v in json.loads(args.recipe.read_text()).items() if k != "description"})
     if args.windows:
         recipe["windows"] = args.windows
-    torch.set_num_threads(recipe["threads"])
+    set_threads(recipe["threads"])
     torch.manual_seed(0)
 
     path = model_path(recipe["model"])

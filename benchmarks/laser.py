@@ -156,7 +156,6 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--peers-only", action="store_true", help="remeasure dense + the weight-only peers only")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.peers_only:
         rows = peers_only(args.models, args.max_tokens)
     else:

@@ -33,7 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, load_recipe, markdown_table, write_json  # noqa: E402
+from common import RESULTS, load_recipe, markdown_table, set_threads, write_json  # noqa: E402
 from rotor_check import best_time  # noqa: E402
 
 from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
@@ -101,7 +101,7 @@ def main():
     ap.add_argument("--resume", action="store_true", help="keep the rows already in <out>.json and run only the missing ones")
     args = ap.parse_args()
     cfg = load_recipe(args.recipe, DEFAULTS)
-    torch.set_num_threads(1)
+    set_threads(1)
     torch.manual_seed(cfg["seed"])
     path = model_path(cfg["model"])
     tok = AutoTokenizer.from_pretrained(path)

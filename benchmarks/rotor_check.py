@@ -33,6 +33,9 @@ from hf_tensorcomp.layers import RotorLinear
 from hf_tensorcomp.methods.rotor import FIT_DEFAULTS, build, num_parameters
 from hf_tensorcomp.healing import fit, relative_mse
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import set_threads  # noqa: E402
+
 LAYER = 15
 RESULTS = Path(__file__).parent / "results"
 
@@ -163,7 +166,7 @@ def main():
     ap.add_argument("--batch-size", type=int, help="override every structure's batch size")
     ap.add_argument("--out", default="rotor_check.json")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    set_threads(1)
     model, tok = load_model("smollm2")
     if args.timing_only:
         x = capture(model, tok, load_text("wikipedia", "eval"), 64)

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, markdown_table, write_json  # noqa: E402
+from common import RESULTS, markdown_table, set_threads, write_json  # noqa: E402
 
 NAME = "scale"
 CFG = {"method": "laser", "target": 0.8, "whiten": True, "allocation": "relative", "targets": ["*_proj"],
@@ -55,7 +55,7 @@ def _limit_memory(limit_mb: int) -> str | None:
 def _one(model: str, how: str, out: str, limit_mb: int | None, q) -> None:
     import torch
 
-    torch.set_num_threads(2)
+    set_threads(2)
     import hf_tensorcomp
     from hf_tensorcomp import TensorCompressionConfig, assets
     from hf_tensorcomp.streaming import PeakRSS

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, ppl, write_json  # noqa: E402
+from common import RESULTS, ppl, set_threads, write_json  # noqa: E402
 
 NAME = "state_reduction"
 SCORERS = ["drrqr", "grad", "wanda", "l1", "rand", "pca"]
@@ -89,7 +89,7 @@ def run(args) -> dict:
     from hf_tensorcomp.methods.state_reduction import find_mixers
     from hf_tensorcomp.pipeline import compress_model
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     base, tok = load(args.model)
     mixers = find_mixers(base)
     first = next(iter(mixers.values()))
@@ -252,7 +252,7 @@ def main():
         for k, v in recipe.items():
             setattr(args, k, v)
     if args.mixer:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
         res = mixer_speed()
         write_json(f"{NAME}_mixer.json", res)
         md = mixer_report(res)

@@ -113,7 +113,6 @@ def run_model(name: str, p: dict) -> list[dict]:
     timed = interleaved(variants, {"decode": lambda m: decode_tokens_per_s(m, tok, repeats=1),
                                    "prefill": lambda m: prefill_tokens_per_s(m, tok)})
     speed = {"model": name, "part": "speed", "method": "tok/s", "cr": p["speed_ratio"], "laser_rank": r, **timed}
-    del variants, model
     print(speed, flush=True)
     rows.append(speed)
     return rows

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from hf_tensorcomp import assets
 from hf_tensorcomp.eval import perplexity
