@@ -132,6 +132,11 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lr2"] = {
 ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_300s_bf16"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
 HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_300s_bf16"] = {
     **HEAL_OVERRIDES["qlr_bytes_0.27_b56_act_rot_all_481w_300s"], "precision": "bfloat16"}
+# the 150-step every-4th-position row with a language-model loss beside the KL (0.1 x the student's cross-entropy on
+# the calibration text's next tokens), float32 as that row trained
+ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
+HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"] = {
+    **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"], "lm_weight": 0.1, "precision": "float32"}
 
 
 def _one(job: dict, q) -> None:
