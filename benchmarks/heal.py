@@ -137,6 +137,10 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_300s_bf16"] = {
 ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
 HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"] = {
     **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"], "lm_weight": 0.1, "precision": "float32"}
+# calibrated LASER at 80 % healed with the library's default steps and the same language-model loss beside the KL
+# (bfloat16, as the laser0.8_bf16 row it compares with)
+ROWS["laser0.8_bf16_lm0.1"] = ROWS["laser0.8"]
+HEAL_OVERRIDES["laser0.8_bf16_lm0.1"] = {**HEAL_OVERRIDES["laser0.8_bf16"], "lm_weight": 0.1}
 
 
 def _one(job: dict, q) -> None:
