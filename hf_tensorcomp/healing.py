@@ -331,7 +331,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
 HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-3, "relative": True, "batch_size": 4,
                  "train": "auto", "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 256,
                  "length": 256, "gradient_checkpointing": False, "precision": "auto", "generated": 0, "every": 1}
-TRAIN = ("auto", "factors", "norms", "scales", "all")
+TRAIN = ("auto", "factors", "norms", "scales", "all", "full")
 MODES = ("e2e", "layerwise", "both")
 
 
@@ -381,15 +381,21 @@ def trainable(model, train: str = "auto") -> list:
     quantized codes are buffers and stay); ``"norms"``: the normalisation weights and every bias;
     ``"auto"``: both; ``"scales"``: the per-group scales of every quantized tensor (codes and zero
     points stay; turned into parameters here, `FactorizedModule.train_scales`, and folded back into
-    their float16 buffers by `heal`); ``"all"``: factors, norms and scales."""
+    their float16 buffers by `heal`); ``"all"``: factors, norms and scales; ``"full"``: those and every
+    weight of the decoder layers the compression left dense (a method that keeps some matrices whole,
+    LASER's global allocation at 0.8 keeps about half, then heals those too); embeddings and the head stay."""
     out = {}
     for m in model.modules():
         if isinstance(m, FactorizedModule):
-            if train in ("scales", "all"):
+            if train in ("scales", "all", "full"):
                 out.update({id(p): p for p in m.train_scales(True)})
-            if train in ("auto", "factors", "all"):
+            if train in ("auto", "factors", "all", "full"):
                 out.update({id(p): p for p in m.parameters() if p.is_floating_point()})
-    if train in ("auto", "norms", "all"):
+    if train == "full":
+        for m in find_decoder_layers(model)[1].modules():
+            if isinstance(m, nn.Linear):
+                out.update({id(p): p for p in m.parameters()})
+    if train in ("auto", "norms", "all", "full"):
         for name, m in model.named_modules():
             if "norm" in type(m).__name__.lower():
                 out.update({id(p): p for p in m.parameters(recurse=False)})

@@ -140,6 +140,25 @@ def test_quantized_codes_stay_and_norms_train(tiny_dirs):
     assert not torch.equal(model.model.layers[0].input_layernorm.weight, norm)
 
 
+def test_full_trains_the_dense_matrices_too_and_saves_them(tiny_dirs, tmp_path, ids):
+    # only down_proj factored: "auto" leaves the dense up_proj as it was, "full" trains it (the head and embeddings stay)
+    runs = {}
+    for train in ("auto", "full"):
+        model = compressed(tiny_dirs, targets=["*down_proj"], rank=2)
+        up, head = model.model.layers[0].mlp.up_proj.weight.clone(), model.lm_head.weight.clone()
+        report = hf_tensorcomp.heal(model, steps=20, lr=3e-3, train=train, **SETTINGS)
+        assert report["improved"] and torch.equal(model.lm_head.weight, head)
+        assert torch.equal(model.model.layers[0].mlp.up_proj.weight, up) == (train == "auto")
+        runs[train] = report
+    assert runs["full"]["params_trained"] > runs["auto"]["params_trained"]
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ref)
+
+
 def test_trained_scales_move_codes_stay_and_save_as_float16(tiny_dirs, tmp_path, ids):
     model = compressed(tiny_dirs, method="qlr", rank=0, bits=2, group_size=16, quantizer="rtn", whiten=False,
                        calibration=calib())
