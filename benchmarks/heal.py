@@ -141,6 +141,16 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"] = {
 # (bfloat16, as the laser0.8_bf16 row it compares with)
 ROWS["laser0.8_bf16_lm0.1"] = ROWS["laser0.8"]
 HEAL_OVERRIDES["laser0.8_bf16_lm0.1"] = {**HEAL_OVERRIDES["laser0.8_bf16"], "lm_weight": 0.1}
+# the int4-bytes row with the language-model loss in bfloat16 autocast (native on an AVX-512 CPU), for Gemma-3
+ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
+HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16"] = {
+    **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"], "precision": "bfloat16"}
+# a control for the language-model term: the dense model itself trained as the lm0.1 int4-bytes row healed (150
+# steps of 4 windows, every 4th position, lm_weight 0.1, float32) toward a frozen copy of itself, every weight of its
+# decoder layers and norms trained (train="full"): what the term alone gives a model that starts at the teacher
+ROWS["dense_lm0.1_control"] = None
+HEAL_OVERRIDES["dense_lm0.1_control"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"],
+                                         "train": "full"}
 # the same with train="full": the matrices LASER's allocation left dense trained too (the factors alone are about
 # half of the decoder linears' parameters at 0.8)
 ROWS["laser0.8_bf16_lm0.1_full"] = ROWS["laser0.8"]
@@ -161,6 +171,15 @@ def _one(job: dict, q) -> None:
         row["linear_bytes"] = 1.0
         if job["bigbench_examples"]:
             row.update(wikihow(model, tok, job["bigbench_examples"]))
+    elif ROWS[job["row"]] is None:  # a control: the dense model trained toward a frozen copy of itself
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        row.update(linear_bytes=1.0, control=True, ppl_before=ppl_both(model, tok, job["eval_tokens"]))
+        t0 = time.perf_counter()
+        row["heal"] = _control(model, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tok,
+                               {**job["heal"], **HEAL_OVERRIDES[job["row"]]}, job["progress"])
+        row["heal_s"] = round(time.perf_counter() - t0, 1)
+        row["heal_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        row["ppl"] = ppl_both(model, tok, job["eval_tokens"])
     else:
         cfg = TensorCompressionConfig(progress=job["progress"], calibration="wikipedia", calibration_samples=job["calibration_samples"],
                                       calibration_length=job["calibration_length"], **ROWS[job["row"]])
@@ -188,6 +207,25 @@ def _one(job: dict, q) -> None:
         row["gpu_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20) if torch.cuda.is_available() else None
     row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     q.put(row)
+
+
+def _control(model, teacher, tok, settings: dict, progress: bool) -> dict:
+    """`heal`'s end-to-end step on the dense model itself, on the same training windows, without its no-harm rule
+    (the held-out KL starts at 0, so no step could be kept): the last iterate, and its held-out KL to the teacher."""
+    from hf_tensorcomp.calibration.data import validate_calibration
+    from hf_tensorcomp.healing import distill, heal_windows, held_out_loss, resolve_precision, trainable, validate_heal
+
+    o = validate_heal(settings)
+    held, ids = heal_windows(model, validate_calibration("wikipedia"), tok, o)
+    params = trainable(model, o["train"])
+    run = distill(model, teacher, ids, params, o["steps"], lr=o["lr"], batch_size=o["batch_size"], seed=o["seed"],
+                  lm_weight=o["lm_weight"], relative=o["relative"], every=o["every"], progress=progress,
+                  precision=resolve_precision(o["precision"], next(model.parameters()).device))
+    model.eval()
+    kl, ppl = held_out_loss(model, teacher, held, o["batch_size"])
+    return {"steps": o["steps"], "train": o["train"], "params_trained": sum(p.numel() for p in params),
+            "lm_weight": o["lm_weight"], "loss_first": round(run["losses"][0], 6), "loss_last": round(run["losses"][-1], 6),
+            "held_out_kl_before": 0.0, "held_out_kl_after": round(kl, 6), "held_out_ppl_after": round(ppl, 4)}
 
 
 def run(cfg: dict) -> list[dict]:
@@ -256,7 +294,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for corpus, marker in (("wikipedia", "o"), ("owt", "x")):
             for key, style, label in (("ppl_before", ":", "compressed"), ("ppl", "-", "healed")):
                 pts = sorted((r["linear_bytes"], r[key][corpus] / dense["ppl"][corpus]) for r in rs
-                             if key in r and r["row"] != "dense")
+                             if key in r and r["row"] != "dense" and not r.get("control"))
                 if pts:
                     ax.plot(*zip(*pts), marker=marker, linestyle=style, label=f"{label} ({corpus})")
             for peer in _peers(dense["model"]):
