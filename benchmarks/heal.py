@@ -145,6 +145,11 @@ HEAL_OVERRIDES["laser0.8_bf16_lm0.1"] = {**HEAL_OVERRIDES["laser0.8_bf16"], "lm_
 ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
 HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16"] = {
     **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"], "precision": "bfloat16"}
+# LASER at 80 % with every knob that helped it: every calibration window, 300 steps, bfloat16, lm_weight 0.1, and
+# the matrices its allocation left whole trained too
+ROWS["laser0.8_481w_300s_lm0.1_full"] = ROWS["laser0.8"]
+HEAL_OVERRIDES["laser0.8_481w_300s_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "lm_weight": 0.1,
+                                                   "train": "full"}
 # a control for the language-model term: the dense model itself trained as the lm0.1 int4-bytes row healed (150
 # steps of 4 windows, every 4th position, lm_weight 0.1, float32) toward a frozen copy of itself, every weight of its
 # decoder layers and norms trained (train="full"): what the term alone gives a model that starts at the teacher

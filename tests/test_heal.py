@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_tensorcomp
 from hf_tensorcomp import TensorCompressionConfig
-from tiny import VOCAB
+from tiny import VOCAB, reloads_identically
 
 
 def calib(n=16, length=32, seed=5):
@@ -151,12 +151,7 @@ def test_full_trains_the_dense_matrices_too_and_saves_them(tiny_dirs, tmp_path, 
         assert torch.equal(model.model.layers[0].mlp.up_proj.weight, up) == (train == "auto")
         runs[train] = report
     assert runs["full"]["params_trained"] > runs["auto"]["params_trained"]
-    with torch.no_grad():
-        ref = model(ids).logits
-    model.save_pretrained(tmp_path)
-    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        assert torch.equal(again(ids).logits, ref)
+    reloads_identically(model, tmp_path, ids)
 
 
 def test_trained_scales_move_codes_stay_and_save_as_float16(tiny_dirs, tmp_path, ids):
@@ -170,12 +165,7 @@ def test_trained_scales_move_codes_stay_and_save_as_float16(tiny_dirs, tmp_path,
     assert layer._buffers["weight_scale"].dtype == torch.float16 and "weight_scale" not in layer._parameters
     assert not torch.equal(layer._buffers["weight_scale"], scale)
     assert torch.equal(layer._buffers["weight"], codes) and torch.equal(layer._buffers["weight_zero"], zero)
-    with torch.no_grad():
-        ref = model(ids).logits
-    model.save_pretrained(tmp_path)
-    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        assert torch.equal(again(ids).logits, ref)
+    reloads_identically(model, tmp_path, ids)
 
 
 def test_scales_that_do_not_improve_are_put_back_bit_for_bit(tiny_dirs):

@@ -16,7 +16,7 @@ from hf_tensorcomp.decompositions.quantize import (Int4Kernel, gptq_plan, int4_k
                                                   quantize_rtn, stored_bytes, unpack)
 from hf_tensorcomp.decompositions.svd import whitened_svd, whitening_factor
 from hf_tensorcomp.layers import QuantizedLowRankLinear
-from tiny import VOCAB
+from tiny import VOCAB, reloads_identically
 
 
 def calib(n=8, length=32):
@@ -655,12 +655,7 @@ def test_with_embedding_bits_the_byte_budget_holds_the_table(tiny_dirs, tmp_path
     linears = lambda mm: sum(st["bits"] * 1000 + st["rank"] for st in mm.config.quantization_config.stats["modules"].values()
                              if st.get("method") != "embedding")
     assert linears(alone) > linears(m)
-    with torch.no_grad():
-        ref = m(ids).logits
-    m.save_pretrained(tmp_path)
-    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        assert torch.equal(again(ids).logits, ref)
+    reloads_identically(m, tmp_path, ids)
 
 
 def test_auto_table_bits_follow_the_budget(tiny_dirs):

@@ -35,3 +35,16 @@ def tiny_llama(vocab_size=64, seed=0):
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     return LlamaForCausalLM(cfg).eval()
+
+
+def reloads_identically(model, path, ids):
+    """Save `model` to `path` and reload it; asserts the reloaded model's logits on `ids` equal `model`'s bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(path)
+    again = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ref)
+    return again
