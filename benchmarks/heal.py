@@ -141,6 +141,10 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"] = {
 # (bfloat16, as the laser0.8_bf16 row it compares with)
 ROWS["laser0.8_bf16_lm0.1"] = ROWS["laser0.8"]
 HEAL_OVERRIDES["laser0.8_bf16_lm0.1"] = {**HEAL_OVERRIDES["laser0.8_bf16"], "lm_weight": 0.1}
+# the same with train="full": the matrices LASER's allocation left dense trained too (the factors alone are about
+# half of the decoder linears' parameters at 0.8)
+ROWS["laser0.8_bf16_lm0.1_full"] = ROWS["laser0.8"]
+HEAL_OVERRIDES["laser0.8_bf16_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.8_bf16_lm0.1"], "train": "full"}
 # the int4-bytes row with the language-model loss in bfloat16 autocast (native on an AVX-512 CPU), for Gemma-3
 ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
 HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16"] = {
@@ -156,10 +160,6 @@ HEAL_OVERRIDES["laser0.8_481w_300s_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.8_48
 ROWS["dense_lm0.1_control"] = None
 HEAL_OVERRIDES["dense_lm0.1_control"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"],
                                          "train": "full"}
-# the same with train="full": the matrices LASER's allocation left dense trained too (the factors alone are about
-# half of the decoder linears' parameters at 0.8)
-ROWS["laser0.8_bf16_lm0.1_full"] = ROWS["laser0.8"]
-HEAL_OVERRIDES["laser0.8_bf16_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.8_bf16_lm0.1"], "train": "full"}
 
 
 def _one(job: dict, q) -> None:

@@ -331,7 +331,10 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
 HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-3, "relative": True, "batch_size": 4,
                  "train": "auto", "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 256,
                  "length": 256, "gradient_checkpointing": False, "precision": "auto", "generated": 0, "every": 1}
-TRAIN = ("auto", "factors", "norms", "scales", "all", "full")
+#: what each ``train`` setting trains (`trainable`)
+TRAIN_PARTS = {"auto": {"factors", "norms"}, "factors": {"factors"}, "norms": {"norms"}, "scales": {"scales"},
+               "all": {"factors", "norms", "scales"}, "full": {"factors", "norms", "scales", "dense"}}
+TRAIN = tuple(TRAIN_PARTS)
 MODES = ("e2e", "layerwise", "both")
 
 
@@ -384,18 +387,20 @@ def trainable(model, train: str = "auto") -> list:
     their float16 buffers by `heal`); ``"all"``: factors, norms and scales; ``"full"``: those and every
     weight of the decoder layers the compression left dense (a method that keeps some matrices whole,
     LASER's global allocation at 0.8 keeps about half, then heals those too); embeddings and the head stay."""
-    out = {}
+    parts, out = TRAIN_PARTS[train], {}
     for m in model.modules():
         if isinstance(m, FactorizedModule):
-            if train in ("scales", "all", "full"):
+            if "scales" in parts:
                 out.update({id(p): p for p in m.train_scales(True)})
-            if train in ("auto", "factors", "all", "full"):
+            if "factors" in parts:
                 out.update({id(p): p for p in m.parameters() if p.is_floating_point()})
-    if train == "full":
-        for m in find_decoder_layers(model)[1].modules():
+    if "dense" in parts:  # a whole model or one decoder layer (streaming): every plain linear but the head
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        kept = {id(p) for p in head.parameters()} if head is not None else set()
+        for m in model.modules():
             if isinstance(m, nn.Linear):
-                out.update({id(p): p for p in m.parameters()})
-    if train in ("auto", "norms", "all", "full"):
+                out.update({id(p): p for p in m.parameters() if id(p) not in kept})
+    if "norms" in parts:
         for name, m in model.named_modules():
             if "norm" in type(m).__name__.lower():
                 out.update({id(p): p for p in m.parameters(recurse=False)})

@@ -151,6 +151,11 @@ def test_full_trains_the_dense_matrices_too_and_saves_them(tiny_dirs, tmp_path, 
         assert torch.equal(model.model.layers[0].mlp.up_proj.weight, up) == (train == "auto")
         runs[train] = report
     assert runs["full"]["params_trained"] > runs["auto"]["params_trained"]
+    # one decoder layer alone (streaming heals layer by layer): its dense matrices too
+    from hf_tensorcomp.healing import trainable
+
+    layer = model.model.layers[0]
+    assert {id(layer.mlp.up_proj.weight), id(layer.self_attn.q_proj.weight)} <= {id(p) for p in trainable(layer, "full")}
     reloads_identically(model, tmp_path, ids)
 
 
