@@ -149,6 +149,10 @@ HEAL_OVERRIDES["laser0.8_bf16_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.8_bf16_lm
 ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
 HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16"] = {
     **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"], "precision": "bfloat16"}
+# the same with three times the language-model term's weight (0.3 x the student's cross-entropy beside the KL)
+ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.3_bf16"] = ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"]
+HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.3_bf16"] = {
+    **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16"], "lm_weight": 0.3}
 # LASER at 80 % with every knob that helped it: every calibration window, 300 steps, bfloat16, lm_weight 0.1, and
 # the matrices its allocation left whole trained too
 ROWS["laser0.8_481w_300s_lm0.1_full"] = ROWS["laser0.8"]
@@ -160,6 +164,9 @@ HEAL_OVERRIDES["laser0.8_481w_300s_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.8_48
 ROWS["dense_lm0.1_control"] = None
 HEAL_OVERRIDES["dense_lm0.1_control"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1"],
                                          "train": "full"}
+# the same control in bfloat16 autocast, as Gemma-3's lm0.1 int4-bytes row healed
+ROWS["dense_lm0.1_bf16_control"] = None
+HEAL_OVERRIDES["dense_lm0.1_bf16_control"] = {**HEAL_OVERRIDES["dense_lm0.1_control"], "precision": "bfloat16"}
 
 
 def _one(job: dict, q) -> None:

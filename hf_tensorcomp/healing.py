@@ -649,7 +649,7 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
     kl0, ppl0 = held_out_loss(model, dense, held, o["batch_size"])
     report = {"mode": o["mode"], "steps": o["steps"], "train": o["train"], "params_trained": sum(p.numel() for p in params),
               "lr": o["lr"], "relative": o["relative"], "precision": o["precision"], "tokens": 0,
-              **({"every": o["every"]} if o["every"] > 1 else {})}
+              **({"every": o["every"]} if o["every"] > 1 else {}), **({"lm_weight": o["lm_weight"]} if o["lm_weight"] else {})}
     torch.manual_seed(o["seed"])
     if o["mode"] in ("layerwise", "both"):
         report["layerwise"] = heal_layerwise(model, dense, train_ids, {id(p) for p in params}, o, progress)
@@ -672,7 +672,7 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
             if checkpointing:
                 model.gradient_checkpointing_disable()
         report.update(loss_first=round(run["losses"][0], 6), loss_last=round(run["losses"][-1], 6),
-                      best_step=run["best_step"])
+                      best_step=run["best_step"], held_out=[[step, round(kl, 6)] for step, kl, _ in run["held_out"]])
         report["tokens"] += o["steps"] * o["batch_size"] * int(train_ids.shape[1])
     kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"])
     report["improved"] = kl1 < kl0
@@ -684,8 +684,10 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
     report.update(held_out_kl_before=round(kl0, 6), held_out_kl_after=round(kl1, 6), held_out_ppl_before=round(ppl0, 4),
                   held_out_ppl_after=round(ppl1, 4), seconds=round(time.perf_counter() - t0, 1))
     if not report["improved"]:
-        warnings.warn("hf_tensorcomp: healing did not lower the held-out loss; the model is left exactly as it was",
-                      stacklevel=2)
+        scored = ", ".join(f"step {step}: {kl:.4g}" for step, kl in report.get("held_out", [])[1:])
+        warnings.warn(f"hf_tensorcomp: healing did not lower the held-out loss (KL to the dense model {kl0:.4g} at the "
+                      f"start{'; ' + scored if scored else ''}); the model is left exactly as it was. A smaller lr"
+                      + (" or lm_weight" if o["lm_weight"] else "") + " may help", stacklevel=2)
     cfg = _config if _config is not None else getattr(model.config, "quantization_config", None)
     if cfg is not None and hasattr(cfg, "stats"):
         cfg.stats = {**(cfg.stats or {}), "heal": report}

@@ -33,6 +33,10 @@ def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs, precision):
     model = compressed(tiny_dirs)
     report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, precision=precision, **SETTINGS)  # teacher: the recorded dense source
     assert report["improved"] and report["held_out_kl_after"] < 0.9 * report["held_out_kl_before"]
+    # the held-out scores along the way: the start, every eval_every steps, the end; the kept one is the best
+    assert [step for step, _ in report["held_out"]] == [0, 10, 20, 30, 40]
+    assert report["held_out"][0][1] == report["held_out_kl_before"]
+    assert report["held_out_kl_after"] == pytest.approx(min(kl for _, kl in report["held_out"]), abs=2e-6)
     resolved = resolve_precision(precision, torch.device("cpu"))  # "auto": what this CPU multiplies natively
     assert model.config.quantization_config.stats["heal"] == report and report["precision"] == resolved
     assert resolved in ("float32", "bfloat16") and (precision == "auto" or resolved == precision)
@@ -95,9 +99,12 @@ def test_layerwise_healing_lowers_each_layers_error_and_the_held_out_loss(tiny_d
 def test_no_improvement_leaves_the_weights_bit_identical(tiny_dirs):
     model = compressed(tiny_dirs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.warns(UserWarning, match="did not lower the held-out loss"):
+    with pytest.warns(UserWarning, match=r"did not lower the held-out loss \(KL to the dense model [0-9.e-]+ at the "
+                                         r"start; step 5: [0-9.e+-]+\).*A smaller lr may help"):
         report = hf_tensorcomp.heal(model, steps=5, lr=1.0, **SETTINGS)  # a rate that only makes it worse
     assert not report["improved"] and report["held_out_kl_after"] == report["held_out_kl_before"]
+    assert report["held_out"][0] == [0, report["held_out_kl_before"]] and report["held_out"][1][0] == 5
+    assert report["held_out"][1][1] >= report["held_out_kl_before"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -114,15 +121,17 @@ def test_same_seed_same_healed_model(tiny_dirs):
                                 {"method": "laser", "rank": 4, "factor_bits": 4, "group_size": 16},
                                 {"method": "tensorllm", "ratio": 2.0}])
 def test_healed_save_reload_identical_through_the_config(tiny_dirs, tmp_path, ids, kw):
-    kw = {**kw, "calibration": calib(), "heal": {"steps": 10, "lr": 1e-3, "samples": 16, "length": 32, "eval_every": 5}}
+    kw = {**kw, "calibration": calib(), "heal": {"steps": 10, "lr": 1e-3, "samples": 16, "length": 32, "eval_every": 5,
+                                                 "lm_weight": 0.01}}
     model = compressed(tiny_dirs, **kw)
     st = model.config.quantization_config.stats
-    assert st["heal"]["steps"] == 10 and st["heal"]["params_trained"] > 0
+    assert st["heal"]["steps"] == 10 and st["heal"]["params_trained"] > 0 and st["heal"]["improved"]
     with torch.no_grad():
         ref = model(ids).logits
     model.save_pretrained(tmp_path)
     hf_tensorcomp.write_model_card(model, tmp_path)
-    assert "healed: 10 end-to-end distillation steps" in (tmp_path / "README.md").read_text()
+    card = (tmp_path / "README.md").read_text()
+    assert "healed: 10 end-to-end distillation steps" in card and "KL to the dense model + 0.01 x the language-model loss" in card
     again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert again.config.quantization_config.stats["heal"] == st["heal"]
     with torch.no_grad():

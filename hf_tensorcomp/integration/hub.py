@@ -129,7 +129,9 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
             how = {"e2e": f"{h['steps']} end-to-end distillation steps", "layerwise": "layer by layer",
                    "both": f"layer by layer, then {h['steps']} end-to-end steps"}[h.get("mode", "e2e")]
             lines.append(f"- healed: {how} ({h['tokens']:,} tokens, training {h['train']}: "
-                         f"{h['params_trained']:,} parameters); held-out KL to the dense model {h['held_out_kl_before']} → "
+                         f"{h['params_trained']:,} parameters"
+                         + (f"; loss: KL to the dense model + {h['lm_weight']} x the language-model loss" if h.get("lm_weight") else "")
+                         + f"); held-out KL to the dense model {h['held_out_kl_before']} → "
                          f"{h['held_out_kl_after']}, held-out perplexity {h['held_out_ppl_before']} → {h['held_out_ppl_after']}"
                          + ("" if h["improved"] else " (no improvement: the model was left as compressed)"))
         errs = [m["rel_error"] for m in st.get("modules", {}).values() if "rel_error" in m]
