@@ -672,7 +672,8 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
             if checkpointing:
                 model.gradient_checkpointing_disable()
         report.update(loss_first=round(run["losses"][0], 6), loss_last=round(run["losses"][-1], 6),
-                      best_step=run["best_step"], held_out=[[step, round(kl, 6)] for step, kl, _ in run["held_out"]])
+                      best_step=run["best_step"],
+                      held_out_kl_steps=[[step, round(kl, 6)] for step, kl, _ in run["held_out"]])
         report["tokens"] += o["steps"] * o["batch_size"] * int(train_ids.shape[1])
     kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"])
     report["improved"] = kl1 < kl0
@@ -684,7 +685,7 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
     report.update(held_out_kl_before=round(kl0, 6), held_out_kl_after=round(kl1, 6), held_out_ppl_before=round(ppl0, 4),
                   held_out_ppl_after=round(ppl1, 4), seconds=round(time.perf_counter() - t0, 1))
     if not report["improved"]:
-        scored = ", ".join(f"step {step}: {kl:.4g}" for step, kl in report.get("held_out", [])[1:])
+        scored = ", ".join(f"step {step}: {kl:.4g}" for step, kl in report.get("held_out_kl_steps", [])[1:])
         warnings.warn(f"hf_tensorcomp: healing did not lower the held-out loss (KL to the dense model {kl0:.4g} at the "
                       f"start{'; ' + scored if scored else ''}); the model is left exactly as it was. A smaller lr"
                       + (" or lm_weight" if o["lm_weight"] else "") + " may help", stacklevel=2)

@@ -34,9 +34,9 @@ def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs, precision):
     report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, precision=precision, **SETTINGS)  # teacher: the recorded dense source
     assert report["improved"] and report["held_out_kl_after"] < 0.9 * report["held_out_kl_before"]
     # the held-out scores along the way: the start, every eval_every steps, the end; the kept one is the best
-    assert [step for step, _ in report["held_out"]] == [0, 10, 20, 30, 40]
-    assert report["held_out"][0][1] == report["held_out_kl_before"]
-    assert report["held_out_kl_after"] == pytest.approx(min(kl for _, kl in report["held_out"]), abs=2e-6)
+    assert [step for step, _ in report["held_out_kl_steps"]] == [0, 10, 20, 30, 40]
+    assert report["held_out_kl_steps"][0][1] == report["held_out_kl_before"]
+    assert report["held_out_kl_after"] == pytest.approx(min(kl for _, kl in report["held_out_kl_steps"]), abs=2e-6)
     resolved = resolve_precision(precision, torch.device("cpu"))  # "auto": what this CPU multiplies natively
     assert model.config.quantization_config.stats["heal"] == report and report["precision"] == resolved
     assert resolved in ("float32", "bfloat16") and (precision == "auto" or resolved == precision)
@@ -103,8 +103,8 @@ def test_no_improvement_leaves_the_weights_bit_identical(tiny_dirs):
                                          r"start; step 5: [0-9.e+-]+\).*A smaller lr may help"):
         report = hf_tensorcomp.heal(model, steps=5, lr=1.0, **SETTINGS)  # a rate that only makes it worse
     assert not report["improved"] and report["held_out_kl_after"] == report["held_out_kl_before"]
-    assert report["held_out"][0] == [0, report["held_out_kl_before"]] and report["held_out"][1][0] == 5
-    assert report["held_out"][1][1] >= report["held_out_kl_before"]
+    assert report["held_out_kl_steps"][0] == [0, report["held_out_kl_before"]] and report["held_out_kl_steps"][1][0] == 5
+    assert report["held_out_kl_steps"][1][1] >= report["held_out_kl_before"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
