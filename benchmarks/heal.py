@@ -158,10 +158,6 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.3_bf16"] =
 ROWS["laser0.8_481w_300s_lm0.1_full"] = ROWS["laser0.8"]
 HEAL_OVERRIDES["laser0.8_481w_300s_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.8_481w_300s"], "lm_weight": 0.1,
                                                    "train": "full"}
-# LASER at 60 % with the same knobs (lm_weight 0.1, train="full") on its CPU row's 150 steps over every window
-ROWS["laser0.6_481w_150s_lm0.1_full"] = ROWS["laser0.6"]
-HEAL_OVERRIDES["laser0.6_481w_150s_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.6_481w_150s"], "lm_weight": 0.1,
-                                                   "train": "full"}
 # a control for the language-model term: the dense model itself trained as the lm0.1 int4-bytes row healed (150
 # steps of 4 windows, every 4th position, lm_weight 0.1, float32) toward a frozen copy of itself, every weight of its
 # decoder layers and norms trained (train="full"): what the term alone gives a model that starts at the teacher
