@@ -62,6 +62,8 @@ for _b in ("0.27", "0.33", "0.40"):
                                       "allocation": "fisher"}
 # the main job's shapes: 0.35 of the bytes of the linears and the table together, the table as 8-bit codes
 ROWS["bytes0.35_emb8_default_rot"] = {**ROWS["bytes0.40_default_rot"], "target_bytes": 0.35, "embedding_bits": 8}
+# Gemma-3's: 0.42 of the linears' and the table's bytes, the table as 8-bit codes (the linears at about 0.27)
+ROWS["bytes0.42_emb8_default_rot"] = {**ROWS["bytes0.35_emb8_default_rot"], "target_bytes": 0.42}
 
 
 def _build(job: dict, path, label: str, dtype, compressed: dict):
@@ -175,7 +177,8 @@ def header(cfg: dict) -> str:
             "`bytes0.27_rot` rotated, `bytes0.27_b34`: over 3 and 4 bits; `bytes0.33`: `target_bytes=0.33`; "
             "`bytes{0.27,0.33,0.40}_default_rot`: the default widths at that budget (from the widest that fits "
             "everywhere up), rotated; `bytes0.35_emb8_default_rot`: the main job's shapes (0.35 of the linears' and "
-            "the table's bytes together, the table as 8-bit codes; round to nearest here). "
+            "the table's bytes together, the table as 8-bit codes; round to nearest here), `bytes0.42_emb8_default_rot` the same "
+            "at 0.42 (Gemma-3: the linears at about 0.27). "
             "2-, 3- and 4-bit codes run PyTorch's CPU int4 kernel, 5-, 6- and 8-bit codes two calls of it. The "
             "compression (untimed) on every core, the timing on the thread count above. Nothing else running. "
             "Written by benchmarks/decode_speed.py.\n\n")
