@@ -156,7 +156,7 @@ ROWS["qlr_bytes_0.33_emb8_act_rot"] = {**ROWS["qlr_bytes_0.35_emb8_act_rot"], "t
 # Gemma-3's table is 63 % of its bytes: 0.42 of the linears' and the table's bf16 bytes, the table as 8-bit codes,
 # leaves the linears about quanto int4's 0.27
 ROWS["qlr_bytes_0.42_emb8_act_rot"] = {**ROWS["qlr_bytes_0.35_emb8_act_rot"], "target_bytes": 0.42}
-# 0.43: the linears' share (about 0.28) clears 4-bit codes with the default widths' 2 % to spare (0.42 leaves 0.266,
+# 0.43: the linears' share (0.293) clears 4-bit codes with the default widths' 2 % to spare (0.42 leaves 0.266,
 # so the default widths start at 3 bits)
 ROWS["qlr_bytes_0.43_emb8_act_rot"] = {**ROWS["qlr_bytes_0.35_emb8_act_rot"], "target_bytes": 0.43}
 # the same ladders, each decoder layer's level set to the KL its matrices measurably cause on their cheapest rung
