@@ -241,7 +241,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
             seed: int = 0, warmup: float = 0.1, schedule: bool = True, shuffle: bool = True, lm_weight: float = 0.0,
             held_out: torch.Tensor | None = None, eval_every: int = 25, train_mode: bool = False, relative: bool = False,
             precision: str = "float32", every: int = 1, progress: bool = True,
-            desc: str = "hf_tensorcomp: distillation") -> dict:
+            desc: str = "hf_tensorcomp: distillation", start: tuple[float, float] | None = None) -> dict:
     """Train `params` of `student` toward `teacher`'s next-token distributions on the windows of `ids`.
 
     teacher: a model, or a function ``batch -> log-probabilities`` (e.g. the student with its dense
@@ -255,7 +255,8 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
     the layers; the held-out scoring keeps every position). Every other parameter keeps its
     ``requires_grad``. With `held_out` (windows never trained on): scored before,
     every ``eval_every`` steps and at the end, and the best iterate is what the student keeps (the
-    start, bit for bit, if no step improved on it).
+    start, bit for bit, if no step improved on it); ``start``: the held-out (kl, ppl) of the student as
+    given, when the caller has scored it already (one pass over the held-out windows fewer).
 
     Returns {"losses": per step, "held_out": [(step, kl, ppl), ...] or [], "best_step": int or None}.
     """
@@ -277,10 +278,10 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
     was_training = student.training
     device = next(student.parameters()).device
 
-    def score(step):
+    def score(step, known=None):
         nonlocal best, best_step, best_kl
         student.eval()
-        kl, ppl = held_out_loss(student, teacher, held_out, batch_size)
+        kl, ppl = known or held_out_loss(student, teacher, held_out, batch_size)
         student.train(train_mode)
         scores.append((step, kl, ppl))
         if best_kl is None or kl < best_kl:
@@ -289,7 +290,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
     student.train(train_mode)
     try:
         if held_out is not None:
-            score(0)
+            score(0, start)
         bar = tqdm(range(steps), desc=desc, disable=not progress, unit="step")
         for step in bar:
             if shuffle:
@@ -667,7 +668,7 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
             run = distill(model, dense, train_ids, params, o["steps"], lr=o["lr"], batch_size=o["batch_size"],
                           seed=o["seed"], lm_weight=o["lm_weight"], held_out=held, eval_every=o["eval_every"],
                           relative=o["relative"], precision=o["precision"], every=o["every"], progress=progress,
-                          desc="hf_tensorcomp: healing")
+                          desc="hf_tensorcomp: healing", start=(kl0, ppl0) if o["mode"] == "e2e" else None)
         finally:
             if checkpointing:
                 model.gradient_checkpointing_disable()
@@ -675,7 +676,10 @@ def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, *
                       best_step=run["best_step"],
                       held_out_kl_steps=[[step, round(kl, 6)] for step, kl, _ in run["held_out"]])
         report["tokens"] += o["steps"] * o["batch_size"] * int(train_ids.shape[1])
-    kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"])
+    if o["mode"] in ("e2e", "both"):  # the kept iterate is the best scored one: its scores, not a pass more
+        _, kl1, ppl1 = min(run["held_out"], key=lambda s: s[1])
+    else:
+        kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"])
     report["improved"] = kl1 < kl0
     if not report["improved"]:  # no harm: the model exactly as it came
         with torch.no_grad():

@@ -126,16 +126,11 @@ def test_healed_save_reload_identical_through_the_config(tiny_dirs, tmp_path, id
     model = compressed(tiny_dirs, **kw)
     st = model.config.quantization_config.stats
     assert st["heal"]["steps"] == 10 and st["heal"]["params_trained"] > 0 and st["heal"]["improved"]
-    with torch.no_grad():
-        ref = model(ids).logits
-    model.save_pretrained(tmp_path)
+    again = reloads_identically(model, tmp_path, ids)
+    assert again.config.quantization_config.stats["heal"] == st["heal"]
     hf_tensorcomp.write_model_card(model, tmp_path)
     card = (tmp_path / "README.md").read_text()
     assert "healed: 10 end-to-end distillation steps" in card and "KL to the dense model + 0.01 x the language-model loss" in card
-    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert again.config.quantization_config.stats["heal"] == st["heal"]
-    with torch.no_grad():
-        assert torch.equal(again(ids).logits, ref)
 
 
 def test_quantized_codes_stay_and_norms_train(tiny_dirs):
