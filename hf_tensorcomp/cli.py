@@ -391,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", type=float, default=None,
                    help="instead of --rank: fraction of the targeted modules' parameters kept, allocated across them")
     c.add_argument("--calibration", default=None,
-                   help="calibration text: wikipedia | owt | wikipedia+owt (their calib splits) or a text file (one paragraph per line)")
+                   help="calibration text: wikipedia | owt | wikipedia+owt (their calib splits) or a text file (one paragraph per line); "
+                        "default: wikipedia+owt where the method needs text")
     c.add_argument("--calibration-samples", type=int, default=32, help="calibration windows (default 32)")
     c.add_argument("--calibration-length", type=int, default=256, help="tokens per calibration window (default 256)")
     c.add_argument("--no-propagate", action="store_true", help="calibrate every layer on the dense model's activations")

@@ -26,7 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .calibration import LayerwiseRunner
-from .calibration.data import calibration_ids, calibration_tokenizer, validate_calibration
+from .calibration.data import DEFAULT as DEFAULT_CALIBRATION, calibration_ids, calibration_tokenizer, validate_calibration
 from .calibration.pipeline import drop_states
 from .layers import FactorizedModule
 from .layout import find_decoder_layers, first_output
@@ -605,15 +605,15 @@ def heal_windows(model, calibration, tokenizer, o: dict) -> tuple[torch.Tensor, 
     return ids[:n_held], ids[n_held:]
 
 
-def heal(model, teacher=None, calibration="wikipedia", steps: int | None = None, *, tokenizer=None,
+def heal(model, teacher=None, calibration=DEFAULT_CALIBRATION, steps: int | None = None, *, tokenizer=None,
          progress: bool = True, _config=None, **settings) -> dict:
     """Distil a compressed model toward the dense one, in place; returns what it did (also in
     ``config.quantization_config.stats["heal"]``, so the model card records it).
 
     teacher: the dense model (or its path); None: the model the compressed one was made from (its
-    recorded source, reloaded). calibration: as in `TensorCompressionConfig` (a bundled text name,
-    texts, a Dataset, token ids); a held-out slice of its windows (``held_out``) is never trained on
-    and decides which iterate is kept; if the held-out KL at the end is not below the start's, the
+    recorded source, reloaded). calibration: as in `TensorCompressionConfig` (a bundled text name —
+    by default ``"wikipedia+owt"``, both bundled corpora —, texts, a Dataset, token ids); a held-out
+    slice of its windows (``held_out``) is never trained on and decides which iterate is kept; if the held-out KL at the end is not below the start's, the
     model is put back bit for bit. ``mode``: ``"e2e"`` (default: `distill` on the logits, ``steps``),
     ``"layerwise"`` (`heal_layerwise`, ``layer_steps`` per layer) or ``"both"`` (layer-wise, then end to
     end). Other settings: `HEAL_DEFAULTS` (``lr``, ``relative`` — steps relative to each entry's size,

@@ -194,9 +194,13 @@ def test_bad_heal_settings_name_the_field(heal, field):
         TensorCompressionConfig(method="laser", rank=4, calibration="wikipedia", heal=heal)
 
 
-def test_heal_needs_calibration_text():
-    with pytest.raises(ValueError, match=r"calibration: got None.*heal"):
-        TensorCompressionConfig(method="laser", rank=4, heal=True)
+def test_calibration_defaults_to_both_corpora_where_needed_only():
+    # healing, or a method whose options need calibration text, with none named: both bundled corpora, recorded
+    for cfg in (TensorCompressionConfig(method="laser", rank=4, heal=True),
+                TensorCompressionConfig(method="laser", target=0.8, whiten=True)):
+        assert cfg.calibration == "wikipedia+owt" and cfg.to_dict()["calibration"] == "wikipedia+owt"
+    assert TensorCompressionConfig(method="laser", rank=4).calibration is None  # plain SVD reads no text
+    assert TensorCompressionConfig(method="laser", rank=4, calibration="owt", heal=True).calibration == "owt"
 
 
 def test_relative_steps_scale_each_entry_by_its_own_size():

@@ -23,6 +23,7 @@ import torch
 from ..validation import fail, is_path
 
 BUNDLED = ("wikipedia", "owt", "wikipedia+owt")
+DEFAULT = "wikipedia+owt"  # what a config that needs calibration text and names none draws from: both kinds of text
 ALLOWED = ("a bundled text name ('wikipedia' | 'owt' | 'wikipedia+owt': both, paragraphs alternating), a list of strings, a datasets.Dataset with a 'text' column, "
            "or token ids (a 2-D LongTensor or list of lists of ints)")
 
