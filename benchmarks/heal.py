@@ -168,6 +168,22 @@ HEAL_OVERRIDES["dense_lm0.1_control"] = {**HEAL_OVERRIDES["qlr_bytes_0.27_b4568_
 ROWS["dense_lm0.1_bf16_control"] = None
 HEAL_OVERRIDES["dense_lm0.1_bf16_control"] = {**HEAL_OVERRIDES["dense_lm0.1_control"], "precision": "bfloat16"}
 
+# the attention decompositions at 0.8 of the attention's parameters healed with the default 100 steps in bfloat16
+# autocast, as Gemma-3's LASER rows were
+ROWS["trawl_attn0.8_bf16"], ROWS["tensorllm_attn0.8_bf16"] = ROWS["trawl_attn0.8"], ROWS["tensorllm_attn0.8"]
+HEAL_OVERRIDES["trawl_attn0.8_bf16"] = HEAL_OVERRIDES["tensorllm_attn0.8_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
+
+# qlr at 0.30 of the decoder linears' bf16 bytes (default widths 4, 5, 6 and 8 bits) healed as the int4-bytes row was
+# (every window, 150 steps of 4, every 4th position, scales trained too), the KL alone, in bfloat16 autocast
+ROWS["qlr_bytes_0.30_b4568_act_rot_all_481w_150s_every4_bf16"] = {
+    **ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"], "target_bytes": 0.30}
+HEAL_OVERRIDES["qlr_bytes_0.30_b4568_act_rot_all_481w_150s_every4_bf16"] = {
+    **HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"], "precision": "bfloat16"}
+
+# LASER at 60 % with what helped at 80 %: every window, 150 steps, bfloat16, lm_weight 0.1, train="full"
+ROWS["laser0.6_481w_150s_lm0.1_full"] = ROWS["laser0.6"]
+HEAL_OVERRIDES["laser0.6_481w_150s_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.8_481w_300s_lm0.1_full"], "steps": 150}
+
 
 def _one(job: dict, q) -> None:
     import torch
