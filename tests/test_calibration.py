@@ -161,7 +161,6 @@ def test_calibration_texts_windows_are_seeded_and_disjoint_from_eval():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(method="laser", rank=0.5, whiten=True), "calibration"),
     (dict(method="laser", whiten=True, calibration="wiki"), "calibration"),
     (dict(method="laser", whiten="pca", calibration="wikipedia"), "whiten"),
     (dict(method="laser", rank=0.5, target=0.8), "target"),

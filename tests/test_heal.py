@@ -197,7 +197,9 @@ def test_bad_heal_settings_name_the_field(heal, field):
 def test_calibration_defaults_to_both_corpora_where_needed_only():
     # healing, or a method whose options need calibration text, with none named: both bundled corpora, recorded
     for cfg in (TensorCompressionConfig(method="laser", rank=4, heal=True),
-                TensorCompressionConfig(method="laser", target=0.8, whiten=True)):
+                TensorCompressionConfig(method="laser", target=0.8, whiten=True),
+                TensorCompressionConfig(method="qlr", target_bytes=0.3),
+                TensorCompressionConfig(method="trawl", whiten=True, rank=4)):
         assert cfg.calibration == "wikipedia+owt" and cfg.to_dict()["calibration"] == "wikipedia+owt"
     assert TensorCompressionConfig(method="laser", rank=4).calibration is None  # plain SVD reads no text
     assert TensorCompressionConfig(method="laser", rank=4, calibration="owt", heal=True).calibration == "owt"

@@ -276,7 +276,6 @@ def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):
     ({"method": "qlr", "quantizer": "hqq", "calibration": "wikipedia"}, "quantizer"),
     ({"method": "qlr", "target_bytes": 1.5, "calibration": "wikipedia"}, "target_bytes"),
     ({"method": "qlr", "rank": -1, "calibration": "wikipedia"}, "rank"),
-    ({"method": "qlr"}, "calibration"),
     ({"method": "qlr", "target_bytes": 0.3, "allocation": "global", "calibration": "wikipedia"}, "allocation"),
     ({"method": "qlr", "rank": 8, "grid": "mse", "calibration": "wikipedia"}, "grid"),
     ({"method": "qlr", "target_bytes": 0.3, "estimate": "gptq", "calibration": "wikipedia"}, "estimate"),

@@ -398,9 +398,8 @@ def test_method_compresses_from_calibration_inputs(structure, layer_type):
             assert new(torch.randn(2, 32)).shape == (2, lin.out_features)
 
 
-def test_method_without_calibration_says_so():
-    with pytest.raises(ValueError, match=r"TensorCompressionConfig\.calibration: .*rotor"):
-        TensorCompressionConfig(method="rotor")  # refused at construction, before any model is touched
+def test_rotor_defaults_its_calibration_and_refuses_missing_statistics():
+    assert TensorCompressionConfig(method="rotor").calibration == "wikipedia+owt"  # none named: both bundled corpora
     entry = TensorCompressionConfig(method="rotor", calibration=CAL).entries[0]
     with pytest.raises(ValueError, match=r"calibration="):
         get_method("rotor").compress({"0.self_attn.q_proj": nn.Linear(8, 8)}, entry, _ctx(None))

@@ -118,7 +118,6 @@ def test_trawl_target_keeps_at_most_that_fraction(decomposition, target, tiny_di
 @pytest.mark.parametrize("cfg,field", [
     (dict(method="trawl", whiten="yes", calibration="wikipedia"), "whiten"),
     (dict(method="trawl", whiten=True, formulation="segmented", calibration="wikipedia"), "whiten"),
-    (dict(method="trawl", whiten=True), "calibration"),
     (dict(method="tensorllm", ratio=2, whiten=1, calibration="wikipedia"), "whiten"),
     (dict(method="trawl", target=1.5), "target"),
     (dict(method="trawl", target=0.5, rank=8), "target"),
