@@ -68,6 +68,11 @@ ROWS = {  # label -> TensorCompressionConfig fields
     "qlr_bytes_0.33": {"method": "qlr", "target_bytes": 0.33, "bit_choices": [2, 4, 8], "rounds": 1, "grid": "minmax"},
     "laser0.6_f8": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 8},
     "laser0.6_f4": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 4},
+    # calibrated LASER at 80 % (the earlier main job's settings) on Wikipedia, and on both bundled corpora (the
+    # library's default calibration): what the mix does to the off-domain collapse (OpenWebText is then in-domain)
+    "laser0.8_bf16": {"method": "laser", "target": 0.8, "whiten": True, "weighting": "fisher"},
+    "laser0.8_bf16_mix": {"method": "laser", "target": 0.8, "whiten": True, "weighting": "fisher",
+                          "calibration": "wikipedia+owt"},
     # what the byte allocation compares across matrices (qlr's allocation option; the rows above: "relative")
     "qlr_bytes_0.27_size": {"method": "qlr", "target_bytes": 0.27, "bit_choices": [2, 4, 8], "rounds": 1, "allocation": "size", "grid": "minmax"},
     "qlr_bytes_0.27_fisher": {"method": "qlr", "target_bytes": 0.27, "bit_choices": [2, 4, 8], "rounds": 1, "allocation": "fisher", "grid": "minmax"},
@@ -386,10 +391,13 @@ def _one(job: dict, q) -> None:
         if fields["method"] == "laser":
             fields["targets"] = ["*_proj"]
         samples = fields.pop("calibration_samples", job["calibration_samples"])  # a row may set its own
-        cfg = TensorCompressionConfig(progress=False, calibration="wikipedia", calibration_samples=samples,
+        calibration = fields.pop("calibration", "wikipedia")  # and its own calibration text
+        cfg = TensorCompressionConfig(progress=False, calibration=calibration, calibration_samples=samples,
                                       calibration_length=job["calibration_length"], **fields)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg)
         row["calibration_samples"] = samples
+        if calibration != "wikipedia":
+            row["calibration"] = calibration
         st = model.config.quantization_config.stats
         mods = st["modules"].values()
         row["bits"] = sorted({m["bits"] for m in mods if "bits" in m})
