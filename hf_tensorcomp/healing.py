@@ -615,8 +615,8 @@ def heal(model, teacher=None, calibration=DEFAULT_CALIBRATION, steps: int | None
     by default ``"wikipedia+owt"``, both bundled corpora —, texts, a Dataset, token ids); a held-out
     slice of its windows (``held_out``) is never trained on and decides which iterate is kept; if the
     held-out KL at the end is not below the start's, the model is put back bit for bit. ``mode``:
-    ``"e2e"`` (default: `distill` on the logits, ``steps``), ``"layerwise"`` (`heal_layerwise`, ``layer_steps`` per layer) or ``"both"`` (layer-wise, then end to
-    end). Other settings: `HEAL_DEFAULTS` (``lr``, ``relative`` — steps relative to each entry's size,
+    ``"e2e"`` (default: `distill` on the logits, ``steps``), ``"layerwise"`` (`heal_layerwise`,
+    ``layer_steps`` per layer) or ``"both"`` (layer-wise, then end to end). Other settings: `HEAL_DEFAULTS` (``lr``, ``relative`` — steps relative to each entry's size,
     `RelativeSteps`, the default —, ``batch_size``, ``train``, ``lm_weight``,
     ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``, ``generated`` — windows
     sampled from the teacher added to the end-to-end step's (`teacher_windows`) —, ``precision`` —
