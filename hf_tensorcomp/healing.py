@@ -26,7 +26,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .calibration import LayerwiseRunner
-from .calibration.data import DEFAULT as DEFAULT_CALIBRATION, calibration_ids, calibration_tokenizer, validate_calibration
+from .calibration.data import (DEFAULT as DEFAULT_CALIBRATION, calibration_ids, calibration_tokenizer,
+                               validate_calibration)
 from .calibration.pipeline import drop_states
 from .layers import FactorizedModule
 from .layout import find_decoder_layers, first_output
@@ -616,7 +617,8 @@ def heal(model, teacher=None, calibration=DEFAULT_CALIBRATION, steps: int | None
     slice of its windows (``held_out``) is never trained on and decides which iterate is kept; if the
     held-out KL at the end is not below the start's, the model is put back bit for bit. ``mode``:
     ``"e2e"`` (default: `distill` on the logits, ``steps``), ``"layerwise"`` (`heal_layerwise`,
-    ``layer_steps`` per layer) or ``"both"`` (layer-wise, then end to end). Other settings: `HEAL_DEFAULTS` (``lr``, ``relative`` — steps relative to each entry's size,
+    ``layer_steps`` per layer) or ``"both"`` (layer-wise, then end to end). Other settings:
+    `HEAL_DEFAULTS` (``lr``, ``relative`` — steps relative to each entry's size,
     `RelativeSteps`, the default —, ``batch_size``, ``train``, ``lm_weight``,
     ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``, ``generated`` — windows
     sampled from the teacher added to the end-to-end step's (`teacher_windows`) —, ``precision`` —
