@@ -52,8 +52,11 @@ VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/t
     # attention only (q, k, v, o of every layer), same kept fraction per layer: TensorLLM and TRAWL (Tucker)
     # data-free vs whitened, beside whitened LASER with uniform ranks (calibrate=False: no calibration at all)
     "attn_laser_whiten": {"targets": ["self_attn.*_proj"], "whiten": True, "allocation": "uniform"},
-    "attn_tensorllm": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "calibrate": False},
-    "attn_tensorllm_whiten": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True},
+    "attn_tensorllm": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "calibrate": False, "gqa": "repeat"},
+    "attn_tensorllm_whiten": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "gqa": "repeat"},
+    # TensorLLM's default layout on grouped-query attention: one slab per KV group (K and V entered once)
+    "attn_tensorllm_group": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "calibrate": False, "gqa": "group"},
+    "attn_tensorllm_whiten_group": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "gqa": "group"},
     "attn_trawl": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "calibrate": False},
     "attn_trawl_whiten": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True},
 }
@@ -241,8 +244,9 @@ def main() -> None:
         "SVD-LLM whitening, uniform ranks; whiten_global = whitening, ranks allocated by the Fisher-weighted loss; "
         "fisher = whitening + Fisher-weighted SVD + that allocation (the main job); _noprop = without propagation; "
         "_correct = with error correction; attn_* = q, k, v, o of every layer only (`targeted params kept`: of "
-        "those), each layer keeping the same fraction: LASER whitened (uniform ranks), TensorLLM and TRAWL Tucker "
-        "(qkvo) data-free or with `whiten=True`.\n\n"
+        "those), each layer keeping the same fraction: LASER whitened (uniform ranks), TensorLLM (K and V repeated "
+        "per query head; `_group`: one slab per KV group, the library's default) and TRAWL Tucker (qkvo), data-free "
+        "or with `whiten=True`.\n\n"
         f"{md}\n")
     plot(rows, RESULTS / f"{NAME}.png")
     print(md)

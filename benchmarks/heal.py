@@ -45,7 +45,7 @@ ROWS = {
                           "grid": "search", "estimate": "quantizer", "act_order": False, "bit_choices": [2, 3, 4, 8]},
     "qlr4_r32": {"method": "qlr", "bits": 4, "group_size": 128, "rank": 32, "grid": "minmax", "act_order": False},  # the README's main job
     # the attention's q,k,v,o at 0.8 of their parameters, whitened (the calibrated benchmark's best settings)
-    "tensorllm_attn0.8": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "target": 0.8},
+    "tensorllm_attn0.8": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "target": 0.8, "gqa": "repeat"},
     "trawl_attn0.8": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True, "target": 0.8},
 }
 for _f in ROWS.values():  # measured before the input rotation became qlr's default
@@ -183,6 +183,10 @@ HEAL_OVERRIDES["qlr_bytes_0.30_b4568_act_rot_all_481w_150s_every4_bf16"] = {
 # LASER at 60 % with what helped at 80 %: every window, 150 steps, bfloat16, lm_weight 0.1, train="full"
 ROWS["laser0.6_481w_150s_lm0.1_full"] = ROWS["laser0.6"]
 HEAL_OVERRIDES["laser0.6_481w_150s_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.8_481w_300s_lm0.1_full"], "steps": 150}
+
+# TensorLLM in its default grouped layout (one slab per KV group: K and V enter the tensor once), healed as above
+ROWS["tensorllm_attn0.8_group_bf16"] = {**ROWS["tensorllm_attn0.8"], "gqa": "group"}
+HEAL_OVERRIDES["tensorllm_attn0.8_group_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
 
 
 def _one(job: dict, q) -> None:

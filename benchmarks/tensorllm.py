@@ -46,7 +46,8 @@ def laser_cost_per_rank(layer) -> int:
 
 
 def tensorllm(layers, **kw) -> TensorCompressionConfig:
-    return TensorCompressionConfig(method="tensorllm", layers=layers, progress=False, **kw)
+    # measured with K and V repeated per query head (the layout before "group" became the default)
+    return TensorCompressionConfig(method="tensorllm", layers=layers, progress=False, gqa="repeat", **kw)
 
 
 def run_model(name: str, p: dict) -> list[dict]:

@@ -154,8 +154,8 @@ def check_references(model: nn.Module, names) -> None:
             keys, want, what = sorted(m.index for _, m in got), list(range(mod.n_slices)), "slice indices"
         else:
             keys, want, what = sorted(m.role for _, m in got), sorted({m.role for _, m in got}), "roles"
-            if len(keys) < mod.ranks[2]:
-                want = f"at least {mod.ranks[2]} distinct roles (R3)"
+            if sum(m.slots for _, m in got) < mod.ranks[2]:  # U3 is (the readers' mode-3 slots) x R3
+                want = f"distinct roles filling at least {mod.ranks[2]} mode-3 slots (R3)"
         if not got or keys != want:
             raise ValueError(f"compressed_modules[{name!r}]: read by {[n for n, _ in got]} with {what} {keys}; allowed: "
                              f"{want} (each exactly once); the checkpoint's config.json is corrupt or edited")

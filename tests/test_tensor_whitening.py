@@ -50,10 +50,12 @@ def test_whitened_full_rank_is_exact(arch, tiny_dirs, ids):
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     for cfg in (dict(entries=[dict(method="trawl", decomposition="tucker", group="qkvo", rank=1.0, whiten=True),
                               dict(method="trawl", decomposition="tucker", group="fc", rank=1.0, whiten=True)]),
-                dict(method="tensorllm", ranks=(c.hidden_size, hd, 4), whiten=True)):
+                dict(method="tensorllm", ranks=(c.hidden_size, hd, 2 * c.num_attention_heads // c.num_key_value_heads + 2),
+                     whiten=True),
+                dict(method="tensorllm", ranks=(c.hidden_size, hd, 4), whiten=True, gqa="repeat")):
         comp = load(tiny_dirs[arch], calibration=calib_ids(), **cfg)
         groups = {k: v for k, v in comp.config.quantization_config.stats["modules"].items() if "factors" in k}
-        assert len(groups) == (6 if "entries" in cfg else 3)
+        assert len(groups) == (6 if "entries" in cfg else 3), cfg
         assert all(v.get("refit") or v.get("refit_o") for v in groups.values())  # O / down_proj refitted
         assert rel_err(comp(ids).logits, dense(ids).logits) <= 1e-4
 
@@ -85,18 +87,20 @@ def _output_errors(method, modules, inputs, ctx, **options):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("method,group", [("trawl", "qkvo"), ("trawl", "fc"), ("tensorllm", "qkvo")])
-def test_whitening_lowers_the_output_error(method, group):
+@pytest.mark.parametrize("method,group,gqa,slack", [("trawl", "qkvo", None, 1.05), ("trawl", "fc", None, 1.05),
+                                                    ("tensorllm", "qkvo", "repeat", 1.05), ("tensorllm", "qkvo", "group", 1.1)])
+def test_whitening_lowers_the_output_error(method, group, gqa, slack):
     """On anisotropic inputs the matrices that share the whitened input get a much lower output error; O and
     down_proj (another input: they ride along, then their cores are refitted to their own input) stay within
-    5 % of the unwhitened error (without the refit, TRAWL's are 10-20 % worse). Fails if S⁻ᵀ is not folded back."""
+    5 % of the unwhitened error (without the refit, TRAWL's are 10-20 % worse; TensorLLM's grouped layout
+    measures 1.07x here, still below the repeated layout's error). Fails if S⁻ᵀ is not folded back."""
     modules, inputs, ctx = _unit(method, group)
-    options = dict(decomposition="tucker", group=group) if method == "trawl" else {}
+    options = dict(decomposition="tucker", group=group) if method == "trawl" else {"gqa": gqa}
     plain = _output_errors(method, modules, inputs, ctx, **options)
     white = _output_errors(method, modules, inputs, ctx, whiten=True, **options)
     for n in modules:
         if n.endswith(("o_proj", "down_proj")):
-            assert white[n] <= plain[n] * 1.05, (n, white[n], plain[n])
+            assert white[n] <= plain[n] * slack, (n, white[n], plain[n])
         else:
             assert white[n] < 0.8 * plain[n], (n, white[n], plain[n])
 

@@ -1,4 +1,4 @@
-"""TensorLLM: per-head tensorisation (GQA layout), partial Tucker, factored forward, ratio, save/reload, Case 3."""
+"""TensorLLM: per-head tensorisation (both GQA layouts), partial Tucker, factored forward, ratio, save/reload, Case 3."""
 
 import json
 
@@ -18,16 +18,29 @@ def load(path, **cfg):
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=TensorCompressionConfig(method="tensorllm", progress=False, **cfg))
 
 
-def full_ranks(model):
+def full_ranks(model, gqa="group"):
+    """(d_model, head_dim, M): M = 2 n_rep + 2 mode-3 slots per KV group (q and o: n_rep each), 4 repeated."""
     c = model.config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return (c.hidden_size, hd, 4)
+    n_rep = c.num_attention_heads // c.num_key_value_heads
+    return (c.hidden_size, hd, 2 * n_rep + 2 if gqa == "group" else 4)
 
 
 def test_head_slices_layout_gqa():
-    # 6 query heads, 2 KV heads, head dim 8, d_model 16: query head i's slab holds K/V of KV head i // 3
+    # 6 query heads, 2 KV heads, head dim 8, d_model 16
     d, hd, h, kv = 16, 8, 6, 2
     w = {"q": torch.randn(h * hd, d), "k": torch.randn(kv * hd, d), "v": torch.randn(kv * hd, d), "o": torch.randn(d, h * hd)}
+    # gqa="group": KV group g's slab holds its query heads 3g..3g+2 (q, then o) and K_g, V_g, each once
+    t = head_slices(w, hd, kv)
+    assert t.shape == (d, hd, 8, kv) and t.numel() == sum(x.numel() for x in w.values())
+    for i in range(h):
+        g, s = divmod(i, h // kv)
+        assert torch.equal(t[:, :, s, g], w["q"][i * hd:(i + 1) * hd].T)
+        assert torch.equal(t[:, :, 5 + s, g], w["o"][:, i * hd:(i + 1) * hd])
+    for g in range(kv):
+        assert torch.equal(t[:, :, 3, g], w["k"][g * hd:(g + 1) * hd].T)
+        assert torch.equal(t[:, :, 4, g], w["v"][g * hd:(g + 1) * hd].T)
+    # gqa="repeat": query head i's slab holds K/V of KV head i // 3
     t = head_slices(w, hd, h)
     assert t.shape == (d, hd, 4, h)
     for i in range(h):
@@ -50,10 +63,11 @@ def test_partial_tucker_keeps_one_core_per_head_and_is_exact_at_full_rank():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("gqa", ["group", "repeat"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_full_rank_exact(arch, tiny_dirs, ids):
+def test_full_rank_exact(arch, gqa, tiny_dirs, ids):
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch])
-    m = load(tiny_dirs[arch], ranks=full_ranks(dense))
+    m = load(tiny_dirs[arch], ranks=full_ranks(dense, gqa), gqa=gqa)
     assert sum(isinstance(x, HeadTuckerProjection) for x in m.modules()) == 3 * 4
     assert sum(isinstance(x, HeadTuckerFactors) for x in m.modules()) == 3
     assert rel_err(m(ids).logits, dense(ids).logits) <= 1e-4
@@ -63,9 +77,10 @@ def test_full_rank_exact(arch, tiny_dirs, ids):
 
 
 @torch.no_grad()
-def test_factorized_dense_mode_and_reload(tiny_dirs, ids, tmp_path):
-    fac = load(tiny_dirs["llama"], ranks=(12, 6, 3), layers=[-1])
-    den = load(tiny_dirs["llama"], ranks=(12, 6, 3), layers=[-1], mode="dense")
+@pytest.mark.parametrize("gqa", ["group", "repeat"])
+def test_factorized_dense_mode_and_reload(gqa, tiny_dirs, ids, tmp_path):
+    fac = load(tiny_dirs["llama"], ranks=(12, 6, 3), layers=[-1], gqa=gqa)
+    den = load(tiny_dirs["llama"], ranks=(12, 6, 3), layers=[-1], mode="dense", gqa=gqa)
     assert type(den.model.layers[-1].self_attn.k_proj) is torch.nn.Linear
     assert not any(isinstance(x, HeadTuckerFactors) for x in den.modules())
     assert rel_err(fac(ids).logits, den(ids).logits) <= 1e-5
@@ -76,10 +91,11 @@ def test_factorized_dense_mode_and_reload(tiny_dirs, ids, tmp_path):
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     pre = "model.layers.2.self_attn"
-    assert shapes[f"{pre}.k_proj.weight"] == (3,)
+    slots, slabs = (3, 2) if gqa == "group" else (1, 6)  # grouped: q fills n_rep = 3 slots, one core per KV group
+    assert shapes[f"{pre}.k_proj.weight"] == (3,) and shapes[f"{pre}.q_proj.weight"] == (3 * slots,)
     assert shapes[f"{pre}.tensorllm_factors.u1"] == (48, 12)
     assert shapes[f"{pre}.tensorllm_factors.u2"] == (8, 6)
-    assert shapes[f"{pre}.tensorllm_factors.core"] == (12, 6, 3, 6)
+    assert shapes[f"{pre}.tensorllm_factors.core"] == (12, 6, 3, slabs)
     again, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert torch.equal(again(ids).logits, fac(ids).logits)
@@ -91,7 +107,7 @@ def test_ratio_meets_the_target_and_error_grows_with_it(tiny_dirs):
         m = load(tiny_dirs["qwen3"], ratio=ratio, layers=[0])
         st = m.config.quantization_config.stats["modules"]["model.layers.0.self_attn.tensorllm_factors"]
         assert st["params_original"] == 4 * 6 * 16 * 48 - 2 * 4 * 16 * 48
-        assert st["compression_ratio"] >= ratio and st["params_compressed"] == param_count(48, 16, 4, 6, st["ranks"])
+        assert st["compression_ratio"] >= ratio and st["params_compressed"] == param_count(48, 16, 8, 2, st["ranks"])
         errs.append(st["rel_error"])
     assert errs[0] < errs[1] < errs[2]
 
@@ -113,7 +129,7 @@ def test_single_matrix_ablation(tiny_dirs, ids):
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["gemma3"])
     m = load(tiny_dirs["gemma3"], ranks=(48, 32, 1), targets=["self_attn.v_proj"], layers=[1])
     st = m.config.quantization_config.stats["modules"]["model.layers.1.self_attn.tensorllm_factors"]
-    assert st["tensor"] == [48, 32, 1, 4]
+    assert st["tensor"] == [48, 32, 1, 1]  # the one KV head's V (repeated: one copy per query head, [48, 32, 1, 4])
     assert isinstance(m.model.layers[1].self_attn.v_proj, HeadTuckerProjection)
     assert type(m.model.layers[1].self_attn.q_proj) is torch.nn.Linear
     assert rel_err(m(ids).logits, dense(ids).logits) <= 1e-4
@@ -141,6 +157,7 @@ def test_case3_tensorllm_on_attention_with_laser_on_ffn(tiny_dirs, ids, tmp_path
     ({"ratio": 1.0}, "ratio"),
     ({"rank": 8, "ratio": 4}, "rank"),
     ({"ratio": 4, "init": "zeros"}, "init"),
+    ({"ratio": 4, "gqa": "mean"}, "gqa"),
 ])
 def test_bad_options(cfg, field):
     with pytest.raises(ValueError) as e:
@@ -171,7 +188,7 @@ def test_real_model_full_rank_exact(name, layers, request):
     ids = tok(load_text("wikipedia", "eval")[0], return_tensors="pt").input_ids[:, :48]
     ref, ranks = dense(ids).logits, full_ranks(dense)
     m = load(path, ranks=ranks, layers=layers)
-    assert ranks == ((576, 64, 4) if name == "smollm2" else (640, 256, 4))  # 9/3 heads x 64; 4/1 heads x 256
+    assert ranks == ((576, 64, 8) if name == "smollm2" else (640, 256, 10))  # 9/3 heads x 64; 4/1 heads x 256
     assert rel_err(m(ids).logits, ref) <= 1e-4
 
 
