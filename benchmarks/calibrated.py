@@ -55,8 +55,10 @@ VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/t
     "attn_tensorllm": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "calibrate": False, "gqa": "repeat"},
     "attn_tensorllm_whiten": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "gqa": "repeat"},
     # TensorLLM's default layout on grouped-query attention: one slab per KV group (K and V entered once)
-    "attn_tensorllm_group": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "calibrate": False, "gqa": "group"},
-    "attn_tensorllm_whiten_group": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "gqa": "group"},
+    "attn_tensorllm_group": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "calibrate": False,
+                             "gqa": "group"},
+    "attn_tensorllm_whiten_group": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True,
+                                    "gqa": "group"},
     "attn_trawl": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "calibrate": False},
     "attn_trawl_whiten": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True},
 }

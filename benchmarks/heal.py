@@ -45,7 +45,8 @@ ROWS = {
                           "grid": "search", "estimate": "quantizer", "act_order": False, "bit_choices": [2, 3, 4, 8]},
     "qlr4_r32": {"method": "qlr", "bits": 4, "group_size": 128, "rank": 32, "grid": "minmax", "act_order": False},  # the README's main job
     # the attention's q,k,v,o at 0.8 of their parameters, whitened (the calibrated benchmark's best settings)
-    "tensorllm_attn0.8": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "target": 0.8, "gqa": "repeat"},
+    "tensorllm_attn0.8": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "target": 0.8,
+                          "gqa": "repeat"},
     "trawl_attn0.8": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True, "target": 0.8},
 }
 for _f in ROWS.values():  # measured before the input rotation became qlr's default

@@ -50,8 +50,8 @@ def test_whitened_full_rank_is_exact(arch, tiny_dirs, ids):
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     for cfg in (dict(entries=[dict(method="trawl", decomposition="tucker", group="qkvo", rank=1.0, whiten=True),
                               dict(method="trawl", decomposition="tucker", group="fc", rank=1.0, whiten=True)]),
-                dict(method="tensorllm", ranks=(c.hidden_size, hd, 2 * c.num_attention_heads // c.num_key_value_heads + 2),
-                     whiten=True),
+                dict(method="tensorllm", whiten=True,
+                     ranks=(c.hidden_size, hd, 2 * c.num_attention_heads // c.num_key_value_heads + 2)),
                 dict(method="tensorllm", ranks=(c.hidden_size, hd, 4), whiten=True, gqa="repeat")):
         comp = load(tiny_dirs[arch], calibration=calib_ids(), **cfg)
         groups = {k: v for k, v in comp.config.quantization_config.stats["modules"].items() if "factors" in k}
@@ -87,8 +87,9 @@ def _output_errors(method, modules, inputs, ctx, **options):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("method,group,gqa,slack", [("trawl", "qkvo", None, 1.05), ("trawl", "fc", None, 1.05),
-                                                    ("tensorllm", "qkvo", "repeat", 1.05), ("tensorllm", "qkvo", "group", 1.1)])
+@pytest.mark.parametrize("method,group,gqa,slack", [
+    ("trawl", "qkvo", None, 1.05), ("trawl", "fc", None, 1.05),
+    ("tensorllm", "qkvo", "repeat", 1.05), ("tensorllm", "qkvo", "group", 1.1)])
 def test_whitening_lowers_the_output_error(method, group, gqa, slack):
     """On anisotropic inputs the matrices that share the whitened input get a much lower output error; O and
     down_proj (another input: they ride along, then their cores are refitted to their own input) stay within

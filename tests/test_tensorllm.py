@@ -1,4 +1,4 @@
-"""TensorLLM: per-head tensorisation (both GQA layouts), partial Tucker, factored forward, ratio, save/reload, Case 3."""
+"""TensorLLM: per-head tensorisation (both GQA layouts), partial Tucker, factored forward, ratio, reload, Case 3."""
 
 import json
 

@@ -135,7 +135,8 @@ class TensorLLM(Method):
         if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
             fail("damping", o["damping"], "a number in [0, 10]")
         if o["gqa"] not in GQA:
-            fail("gqa", o["gqa"], " | ".join(map(repr, GQA)) + " (one slab per KV group, or per query head with K/V repeated)")
+            fail("gqa", o["gqa"], " | ".join(map(repr, GQA))
+                 + " (one slab per KV group, or one per query head with K and V repeated)")
         return o
 
     def needs(self, entry):
@@ -191,8 +192,8 @@ class TensorLLM(Method):
                     fail("ratio", ratio, f"at most {most:.1f} for layer {layer} (ranks (1, 1, 1) already)")
             r = entry.options["ranks"]
             if r is not None and (r[0] > d or r[1] > hd or r[2] > m):
-                raise ValueError(f"TensorCompressionConfig.ranks: got {tuple(r)}; allowed: at most ({d}, {hd}, {m}) "
-                                 f"for layer {layer}'s {d} x {hd} x {m} x {n_slabs} tensor (gqa={entry.options['gqa']!r})")
+                raise ValueError(f"TensorCompressionConfig.ranks: got {tuple(r)}; allowed: at most ({d}, {hd}, {m}) for "
+                                 f"layer {layer}'s {d} x {hd} x {m} x {n_slabs} tensor (gqa={entry.options['gqa']!r})")
 
     def check_spec(self, name, spec, entry, unit, ctx):
         d, hd, h, kv = attention_shape(ctx.config)
