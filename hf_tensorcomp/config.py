@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .methods import get_method
+from .methods import METHODS, get_method
 from .calibration.data import DEFAULT as DEFAULT_CALIBRATION, describe, validate_calibration
 from .healing import validate_heal
 from .validation import fail, is_int, is_path
@@ -189,6 +189,8 @@ class TensorCompressionConfig(QuantizationConfigMixin):
                     fail(f"entries[{i}]", e, "a dict with a 'method' key")
                 e = dict(e)
                 e.setdefault("mode", mode)
+                if compressed_modules and e["method"] in METHODS:  # a saved checkpoint's entry
+                    e = {**METHODS[e["method"]].saved_defaults, **e}
                 built.append(Entry(**e))
             self.entries = built
         else:

@@ -84,6 +84,9 @@ class Method:
     uses_rank: bool = True
     #: method-specific options and their defaults; `validate_options` rejects anything else
     option_defaults: dict[str, Any] = {}
+    #: options added with a default other than what earlier releases did: the value a *saved* entry that
+    #: lacks the option was written with (a checkpoint keeps loading as it was made)
+    saved_defaults: dict[str, Any] = {}
     #: what to try when a result is refused (non-finite, or no better than zeros): ends the error message
     remedy: str = "another rank"
     #: module types this method can replace (leaf modules matched by `targets`)

@@ -114,6 +114,7 @@ class TensorLLM(Method):
     supports_target = True
     option_defaults = {"ranks": None, "ratio": None, "n_iter_max": 50, "tol": 1e-4, "init": "svd", "seed": 0,
                        "whiten": False, "damping": 1e-4, "gqa": "group"}
+    saved_defaults = {"gqa": "repeat"}  # the only layout before the option existed
 
     def validate_options(self, options):
         o = super().validate_options(options)
