@@ -188,6 +188,14 @@ HEAL_OVERRIDES["laser0.6_481w_150s_lm0.1_full"] = {**HEAL_OVERRIDES["laser0.8_48
 # TensorLLM in its default grouped layout (one slab per KV group: K and V enter the tensor once), healed as above
 ROWS["tensorllm_attn0.8_group_bf16"] = {**ROWS["tensorllm_attn0.8"], "gqa": "group"}
 HEAL_OVERRIDES["tensorllm_attn0.8_group_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
+ROWS["tensorllm_attn0.5_group_bf16"] = {**ROWS["tensorllm_attn0.8_group_bf16"], "target": 0.5}
+HEAL_OVERRIDES["tensorllm_attn0.5_group_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
+# 80 % of every linear as the paper's "Case 3": grouped TensorLLM on the attention, calibrated LASER on the MLP
+# (each keeping 80 % of its matrices' parameters), against LASER's global allocation over every linear (laser0.8_bf16)
+ROWS["tensorllm0.8_attn_laser0.8_mlp_bf16"] = {"entries": [
+    {k: v for k, v in ROWS["tensorllm_attn0.8_group_bf16"].items()},
+    {**ROWS["laser0.8"], "targets": ["mlp.*_proj"]}]}
+HEAL_OVERRIDES["tensorllm0.8_attn_laser0.8_mlp_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
 
 
 def _one(job: dict, q) -> None:

@@ -71,6 +71,7 @@ class TensorCompQuantizer(HfQuantizer):
         make_save_atomic(model)  # save_pretrained writes a temporary folder and swaps it in
         if self.pre_quantized:
             checks.check_loaded(model)  # factors finite, EinSort indices valid
+            _own_aligned_memory(model)
             share_input_rotations(model)
         else:
             if _is_offloaded(getattr(model, "hf_device_map", None)):
@@ -104,6 +105,26 @@ class TensorCompQuantizer(HfQuantizer):
     @property
     def is_compileable(self):
         return True
+
+
+def _own_aligned_memory(model, align: int = 64) -> None:
+    """Move the compressed modules' floating parameters that a checkpoint left off a 64-byte boundary
+    (safetensors maps each tensor at its offset in the file) into fresh memory.
+
+    CPU kernels take another vectorised path for unaligned operands and round differently: a reloaded
+    TensorLLM model's logits moved by 3e-7 from the saved model's until its factors were copied. With
+    the copy, a reloaded model computes bitwise what was saved. Each parameter keeps its object (only
+    ``.data`` changes), so tied or shared parameters stay tied."""
+    from ..layers import FactorizedModule
+
+    seen = set()
+    for mod in model.modules():
+        if not isinstance(mod, FactorizedModule):
+            continue
+        for p in mod.parameters(recurse=False):
+            if id(p) not in seen and p.device.type == "cpu" and p.is_floating_point() and p.data_ptr() % align:
+                p.data = p.data.clone()
+            seen.add(id(p))
 
 
 def _compressed(model, cfg: TensorCompressionConfig, work=None) -> None:
