@@ -19,6 +19,7 @@ from .. import checks, pipeline, surgery
 from ..plan import plan
 from .io import make_save_atomic
 from ..config import QUANT_METHOD, TensorCompressionConfig
+from ..layers import FactorizedModule
 from ..layers.qlr import share_input_rotations
 from ..methods import get_method
 
@@ -115,16 +116,11 @@ def _own_aligned_memory(model, align: int = 64) -> None:
     TensorLLM model's logits moved by 3e-7 from the saved model's until its factors were copied. With
     the copy, a reloaded model computes bitwise what was saved. Each parameter keeps its object (only
     ``.data`` changes), so tied or shared parameters stay tied."""
-    from ..layers import FactorizedModule
-
-    seen = set()
     for mod in model.modules():
-        if not isinstance(mod, FactorizedModule):
-            continue
-        for p in mod.parameters(recurse=False):
-            if id(p) not in seen and p.device.type == "cpu" and p.is_floating_point() and p.data_ptr() % align:
-                p.data = p.data.clone()
-            seen.add(id(p))
+        if isinstance(mod, FactorizedModule):
+            for p in mod.parameters(recurse=False):  # a shared one, once moved, is aligned when met again
+                if p.device.type == "cpu" and p.is_floating_point() and p.data_ptr() % align:
+                    p.data = p.data.clone()
 
 
 def _compressed(model, cfg: TensorCompressionConfig, work=None) -> None:

@@ -82,9 +82,17 @@ def head_slices(weights: dict[str, torch.Tensor], head_dim: int, slabs: int) -> 
     return torch.cat(parts, dim=2)
 
 
+def role_layout(role: str, h: int, kv: int, gqa: str) -> tuple[int, int]:
+    """(n_rep, slots) of a projection: grouped, q/o fill n_rep mode-3 slots per slab and k/v one;
+    repeated, every role fills one slot and k/v are read back as the mean of their n_rep copies."""
+    if gqa == "group":
+        return 1, (h // kv if role in "qo" else 1)
+    return (h // kv if role in "kv" else 1), 1
+
+
 def slots(roles, h: int, kv: int, gqa: str) -> dict[str, int]:
-    """Mode-3 slots per role: n_rep for q/o and 1 for k/v grouped, 1 each repeated."""
-    return {r: (h // kv if gqa == "group" and r in "qo" else 1) for r in roles}
+    """Mode-3 slots per role, in the order given."""
+    return {r: role_layout(r, h, kv, gqa)[1] for r in roles}
 
 
 def param_count(d_model: int, head_dim: int, m: int, h: int, ranks) -> int:
@@ -199,10 +207,8 @@ class TensorLLM(Method):
     def check_spec(self, name, spec, entry, unit, ctx):
         d, hd, h, kv = attention_shape(ctx.config)
         role = ROLE_OF.get(name.rpartition(".")[2])
-        repeat = entry.options["gqa"] == "repeat"
-        want = {"factors": f"{name.rpartition('.')[0]}.{CONTAINER}", "role": role,
-                "n_rep": h // kv if repeat and role in ("k", "v") else 1,
-                "slots": slots([role], h, kv, entry.options["gqa"])[role]}
+        n_rep, n_slots = role_layout(role, h, kv, entry.options["gqa"])
+        want = {"factors": f"{name.rpartition('.')[0]}.{CONTAINER}", "role": role, "n_rep": n_rep, "slots": n_slots}
         for field, value in want.items():
             if spec.get(field, 1) != value:
                 spec_fail(name, field, spec.get(field, 1), value, entry)
@@ -267,7 +273,7 @@ class TensorLLM(Method):
                                         **({"whitened": s is not None, "refit_o": refit} if opts["whiten"] else {})})
             for role, name in roles.items():
                 lin = modules[name]
-                n_rep = h // kv if opts["gqa"] == "repeat" and role in "kv" else 1
+                n_rep = role_layout(role, h, kv, opts["gqa"])[0]
                 proj = HeadTuckerProjection(factors, f"{ctx.prefix}.{container}", role, n_rep=n_rep, slots=width[role],
                                             bias=lin.bias is not None, dtype=dtype, device=device)
                 with torch.no_grad():
