@@ -193,7 +193,7 @@ HEAL_OVERRIDES["tensorllm_attn0.5_group_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
 # 80 % of every linear as the paper's "Case 3": grouped TensorLLM on the attention, calibrated LASER on the MLP
 # (each keeping 80 % of its matrices' parameters), against LASER's global allocation over every linear (laser0.8_bf16)
 ROWS["tensorllm0.8_attn_laser0.8_mlp_bf16"] = {"entries": [
-    {k: v for k, v in ROWS["tensorllm_attn0.8_group_bf16"].items()},
+    ROWS["tensorllm_attn0.8_group_bf16"],
     {**ROWS["laser0.8"], "targets": ["mlp.*_proj"]}]}
 HEAL_OVERRIDES["tensorllm0.8_attn_laser0.8_mlp_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
 
