@@ -59,8 +59,13 @@ VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/t
                              "gqa": "group"},
     "attn_tensorllm_whiten_group": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True,
                                     "gqa": "group"},
-    "attn_trawl": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "calibrate": False},
-    "attn_trawl_whiten": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True},
+    "attn_trawl": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "calibrate": False, "gqa": "repeat"},
+    "attn_trawl_whiten": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True, "gqa": "repeat"},
+    # TRAWL's default layout on grouped-query attention: slices as tall as K, Q and O in n_rep slots each
+    "attn_trawl_group": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "calibrate": False,
+                         "gqa": "group"},
+    "attn_trawl_whiten_group": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True,
+                                "gqa": "group"},
 }
 NAME = "calibrated"
 
@@ -247,8 +252,9 @@ def main() -> None:
         "fisher = whitening + Fisher-weighted SVD + that allocation (the main job); _noprop = without propagation; "
         "_correct = with error correction; attn_* = q, k, v, o of every layer only (`targeted params kept`: of "
         "those), each layer keeping the same fraction: LASER whitened (uniform ranks), TensorLLM (K and V repeated "
-        "per query head; `_group`: one slab per KV group, the library's default) and TRAWL Tucker (qkvo), data-free "
-        "or with `whiten=True`.\n\n"
+        "per query head; `_group`: one slab per KV group, the library's default) and TRAWL Tucker (qkvo; K and V "
+        "repeated per query head; `_group`: slices as tall as K, Q and O in n_rep slots each, the library's default), "
+        "data-free or with `whiten=True`.\n\n"
         f"{md}\n")
     plot(rows, RESULTS / f"{NAME}.png")
     print(md)

@@ -47,7 +47,8 @@ ROWS = {
     # the attention's q,k,v,o at 0.8 of their parameters, whitened (the calibrated benchmark's best settings)
     "tensorllm_attn0.8": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "target": 0.8,
                           "gqa": "repeat"},
-    "trawl_attn0.8": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True, "target": 0.8},
+    "trawl_attn0.8": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True, "target": 0.8,
+                      "gqa": "repeat"},
 }
 for _f in ROWS.values():  # measured before the input rotation became qlr's default
     if _f["method"] == "qlr":
@@ -361,3 +362,6 @@ def header(cfg: dict) -> str:
 
 if __name__ == "__main__":
     bench_main(__doc__, NAME, DEFAULTS, run, report, plot, header)
+# TRAWL in its default grouped layout (slices as tall as K; Q and O in n_rep slots each: every weight once)
+ROWS["trawl_attn0.8_group_bf16"] = {**ROWS["trawl_attn0.8"], "gqa": "group"}
+HEAL_OVERRIDES["trawl_attn0.8_group_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]

@@ -169,6 +169,9 @@ for _b in ("0.21", "0.27"):
     ROWS[f"qlr_bytes_{_b}_measured"] = {**ROWS[f"qlr_bytes_{_b}_b3568_act_rot"], "allocation": "measured"}
     # and on 4x the calibration text: does GPTQ fitted on more windows keep its 3-bit codes closer off-domain?
     ROWS[f"qlr_bytes_{_b}_b3568_act_rot_c128"] = {**ROWS[f"qlr_bytes_{_b}_b3568_act_rot"], "calibration_samples": 128}
+# the 3-bit class on the library's default calibration text (both bundled corpora, paragraphs alternating): what the
+# measured allocation keeps on each eval split when neither is the other kind of text
+ROWS["qlr_bytes_0.21_measured_mix"] = {**ROWS["qlr_bytes_0.21_measured"], "calibration": "wikipedia+owt"}
 # GPTQ's damping (lambda x mean(diag XᵀX) added to the Gram; default 0.01): does a Gram leaning further towards
 # round-to-nearest's identity keep 3-bit codes closer on the text it was not fitted on?
 for _d in ("0.1", "0.3"):

@@ -151,7 +151,8 @@ def check_references(model: nn.Module, names) -> None:
             continue
         got = readers.get(name, [])
         if hasattr(mod, "n_slices"):
-            keys, want, what = sorted(m.index for _, m in got), list(range(mod.n_slices)), "slice indices"
+            keys = sorted(i for _, m in got for i in range(m.index, m.index + m.slots))  # a matrix reads `slots` slices
+            want, what = list(range(mod.n_slices)), "slice indices"
         else:
             keys, want, what = sorted(m.role for _, m in got), sorted({m.role for _, m in got}), "roles"
             if sum(m.slots for _, m in got) < mod.ranks[2]:  # U3 is (the readers' mode-3 slots) x R3

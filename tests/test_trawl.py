@@ -36,7 +36,7 @@ def test_gqa_kv_stacked_per_query_head():
     hd, n_rep = 8, 3
     q, k = torch.randn(48, 16), torch.randn(16, 16)
     ref, plan = stacking_plan({"q": (48, 16), "k": (16, 16), "o": (16, 48)}, hd)
-    assert ref == (48, 16) and plan == {"q": (False, 1), "k": (False, 3), "o": (True, 1)}
+    assert ref == (48, 16) and plan == {"q": (False, 1, 1), "k": (False, 3, 1), "o": (True, 1, 1)}
     t = stack({"q": q, "k": k, "o": torch.randn(16, 48)}, plan, hd)
     for h in range(6):
         assert torch.equal(t[1, h * hd:(h + 1) * hd], k[(h // n_rep) * hd:(h // n_rep + 1) * hd])
@@ -44,29 +44,53 @@ def test_gqa_kv_stacked_per_query_head():
         stacking_plan({"q": (48, 16), "x": (20, 16)}, hd)
 
 
+def test_gqa_grouped_stacks_every_weight_once_by_slot():
+    # the same heads grouped: slices as tall as K, Q and O^T in 3 slots each (slot r: heads r and 3 + r)
+    hd = 8
+    w = {"a.q_proj": torch.randn(48, 16), "a.k_proj": torch.randn(16, 16), "a.v_proj": torch.randn(16, 16),
+         "a.o_proj": torch.randn(16, 48)}
+    ref, plan = stacking_plan({k: tuple(v.shape) for k, v in w.items()}, hd, "group")
+    assert ref == (16, 16) and plan == {"a.q_proj": (False, 1, 3), "a.k_proj": (False, 1, 1),
+                                        "a.v_proj": (False, 1, 1), "a.o_proj": (True, 1, 3)}
+    t = stack(w, plan, hd)
+    assert t.shape == (8, 16, 16) and t.norm() ** 2 == pytest.approx(sum(x.norm() ** 2 for x in w.values()))
+    for r in range(3):
+        for g in range(2):
+            h = g * 3 + r
+            assert torch.equal(t[r, g * hd:(g + 1) * hd], w["a.q_proj"][h * hd:(h + 1) * hd])
+            assert torch.equal(t[5 + r, g * hd:(g + 1) * hd], w["a.o_proj"][:, h * hd:(h + 1) * hd].T)
+    assert torch.equal(t[3], w["a.k_proj"]) and torch.equal(t[4], w["a.v_proj"])
+    with pytest.raises(ValueError, match="gqa='repeat'"):  # an o_proj that is not Q's transpose
+        stacking_plan({"a.q_proj": (48, 16), "a.k_proj": (16, 16), "a.o_proj": (48, 16)}, hd, "group")
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("group", ["qkvo", "fc"])
-def test_tucker_full_rank_exact(arch, group, tiny_dirs, ids):
+@pytest.mark.parametrize("group, gqa", [("qkvo", "group"), ("qkvo", "repeat"), ("fc", "group")])
+def test_tucker_full_rank_exact(arch, group, gqa, tiny_dirs, ids):
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch])
-    m = load(tiny_dirs[arch], decomposition="tucker", group=group, rank=1.0)
+    m = load(tiny_dirs[arch], decomposition="tucker", group=group, rank=1.0, gqa=gqa)
     assert sum(isinstance(x, TensorSlice) for x in m.modules()) == 3 * (4 if group == "qkvo" else 3)
     assert rel_err(m(ids).logits, dense(ids).logits) <= 1e-4
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("gqa", ["group", "repeat"])
 @pytest.mark.parametrize("decomposition, rank", [("cp", 6), ("tucker", [2, 12, 10])])
-def test_factorized_and_dense_agree_and_reload(decomposition, rank, tiny_dirs, ids, tmp_path):
-    fac = load(tiny_dirs["llama"], decomposition=decomposition, group="qkvo", rank=rank, layers=[-1])
-    den = load(tiny_dirs["llama"], decomposition=decomposition, group="qkvo", rank=rank, layers=[-1], mode="dense")
+def test_factorized_and_dense_agree_and_reload(decomposition, rank, gqa, tiny_dirs, ids, tmp_path):
+    fac = load(tiny_dirs["llama"], decomposition=decomposition, group="qkvo", rank=rank, layers=[-1], gqa=gqa)
+    den = load(tiny_dirs["llama"], decomposition=decomposition, group="qkvo", rank=rank, layers=[-1], mode="dense",
+               gqa=gqa)
     assert type(den.model.layers[-1].self_attn.k_proj) is torch.nn.Linear
     assert rel_err(fac(ids).logits, den(ids).logits) <= 1e-5
     fac.save_pretrained(tmp_path)
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     r0 = 6 if decomposition == "cp" else 2
+    slots, rows = (3, 16) if gqa == "group" else (1, 48)  # grouped: 6 query heads, 2 KV heads of 8: slices of 16 rows
     assert shapes["model.layers.2.self_attn.k_proj.weight"] == (r0,)
-    assert shapes["model.layers.2.self_attn.trawl_factors.out_factor"] == (48, 6 if decomposition == "cp" else 12)
+    assert shapes["model.layers.2.self_attn.q_proj.weight"] == (slots * r0,)
+    assert shapes["model.layers.2.self_attn.trawl_factors.out_factor"] == (rows, 6 if decomposition == "cp" else 12)
     assert ("model.layers.2.self_attn.trawl_factors.core" in shapes) == (decomposition == "tucker")
     again, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -98,6 +122,7 @@ def test_formulations_share_factors_across_layers(formulation, n_groups, tiny_di
     ({"group": "mlp"}, "group"),
     ({"formulation": "thirds"}, "formulation"),
     ({"n_iter_max": 0}, "n_iter_max"),
+    ({"gqa": "mean"}, "gqa"),
     ({"decomposition": "tucker", "rank": [3, 4]}, "rank"),
 ])
 def test_bad_options(cfg, field):
@@ -133,3 +158,18 @@ def test_layer_sweep_reverts_and_full_rank_matches_dense(tiny_dirs, ids):
 def test_config_round_trip_with_trawl_options():
     c = TensorCompressionConfig(method="trawl", decomposition="tucker", rank=[2, 16, 8], group="qkvo", formulation="segmented")
     assert TensorCompressionConfig.from_dict(json.loads(c.to_json_string())) == c
+
+
+@torch.no_grad()
+def test_checkpoint_written_before_the_gqa_option_loads_as_repeated(tiny_dirs, ids, tmp_path):
+    """A saved entry without ``gqa`` was written when K and V were always repeated; a new config groups."""
+    m = load(tiny_dirs["llama"], decomposition="tucker", group="qkvo", rank=[2, 12, 10], layers=[-1], gqa="repeat")
+    m.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["quantization_config"]["entries"][0]["gqa"]
+    path.write_text(json.dumps(cfg))
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.config.quantization_config.entries[0].options["gqa"] == "repeat"
+    assert torch.equal(again(ids).logits, m(ids).logits)
+    assert TensorCompressionConfig(method="trawl", group="qkvo").entries[0].options["gqa"] == "group"

@@ -89,12 +89,17 @@ def fit_core(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pl: torch.Tensor
     ``pl = L Lᵀ`` and ``pr = R Rᵀ`` (None: identity) are metrics on T's rows and columns: for a
     matrix that reads x through its columns, ``pr`` = XᵀX makes this the output error ‖(T - T') Xᵀ‖.
     M = (AᵀPl A)⁻¹ Aᵀ Pl T Pr B (Bᵀ Pr B)⁻¹; ``diagonal=True`` (CP): the best M = diag(c),
-    c = ((AᵀPl A) ∘ (Bᵀ Pr B))⁻¹ diag(Aᵀ Pl T Pr B).
+    c = ((AᵀPl A) ∘ (Bᵀ Pr B))⁻¹ diag(Aᵀ Pl T Pr B). When B has s times A's R columns (s blocks side by
+    side), ``diagonal`` fits M = [diag(c_0) ... diag(c_{s-1})] and returns the s x R coefficients, s R
+    unknowns at once: the Gram of the unknowns is (AᵀPl A) tiled s x s, times Bᵀ Pr B elementwise.
     """
     a, b, t = a.double(), b.double(), t.double()
     pa = a if pl is None else pl.double() @ a
     pb = b if pr is None else pr.double() @ b
     rhs = pa.T @ t @ pb
     if diagonal:
-        return torch.linalg.solve((a.T @ pa) * (b.T @ pb), rhs.diagonal())
+        r = a.shape[1]
+        s = b.shape[1] // r
+        c = torch.linalg.solve((a.T @ pa).repeat(s, s) * (b.T @ pb), rhs.view(r, s, r).diagonal(0, 0, 2).reshape(-1))
+        return c if b.shape[1] == r else c.view(s, r)
     return torch.linalg.solve(b.T @ pb, torch.linalg.solve(a.T @ pa, rhs).T).T
