@@ -198,6 +198,14 @@ ROWS["tensorllm0.8_attn_laser0.8_mlp_bf16"] = {"entries": [
     {**ROWS["laser0.8"], "targets": ["mlp.*_proj"]}]}
 HEAL_OVERRIDES["tensorllm0.8_attn_laser0.8_mlp_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
 
+# TRAWL in its default grouped layout (slices as tall as K; Q and O in n_rep slots each: every weight once)
+ROWS["trawl_attn0.8_group_bf16"] = {**ROWS["trawl_attn0.8"], "gqa": "group"}
+HEAL_OVERRIDES["trawl_attn0.8_group_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
+# LASER at 80 % compressed and healed on the library's default calibration text (both corpora, paragraphs
+# alternating) instead of Wikipedia alone, as laser0.8_bf16 otherwise (OpenWebText is then not another kind of text)
+ROWS["laser0.8_bf16_mix"] = {**ROWS["laser0.8"], "calibration": "wikipedia+owt"}
+HEAL_OVERRIDES["laser0.8_bf16_mix"] = HEAL_OVERRIDES["laser0.8_bf16"]
+
 
 def _one(job: dict, q) -> None:
     import torch
@@ -223,8 +231,12 @@ def _one(job: dict, q) -> None:
         row["heal_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         row["ppl"] = ppl_both(model, tok, job["eval_tokens"])
     else:
-        cfg = TensorCompressionConfig(progress=job["progress"], calibration="wikipedia", calibration_samples=job["calibration_samples"],
-                                      calibration_length=job["calibration_length"], **ROWS[job["row"]])
+        fields = dict(ROWS[job["row"]])
+        calibration = fields.pop("calibration", "wikipedia")  # a row may compress and heal on its own text
+        if calibration != "wikipedia":
+            row["calibration"] = calibration
+        cfg = TensorCompressionConfig(progress=job["progress"], calibration=calibration, calibration_samples=job["calibration_samples"],
+                                      calibration_length=job["calibration_length"], **fields)
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg).eval()
         row["compress_s"] = round(time.perf_counter() - t0, 1)
@@ -236,7 +248,7 @@ def _one(job: dict, q) -> None:
             row["before"] = wikihow(model, tok, job["bigbench_examples"])
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
-        row["heal"] = hf_tensorcomp.heal(model, calibration="wikipedia", progress=job["progress"],
+        row["heal"] = hf_tensorcomp.heal(model, calibration=calibration, progress=job["progress"],
                                          **{**job["heal"], **HEAL_OVERRIDES.get(job["row"], {})})
         row["heal_s"] = round(time.perf_counter() - t0, 1)
         row["heal_peak_rss_mb"] = round(max(rss0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
@@ -355,13 +367,10 @@ def _settings(heal: dict) -> dict:
 def header(cfg: dict) -> str:
     return (
         "# Healing: end-to-end distillation toward the dense model\n\n"
-        f"Calibration and healing text: Wikipedia calib split; healing {_settings(cfg['heal'])} (rows' own: {HEAL_OVERRIDES}); perplexity: {cfg['eval_tokens']} "
+        f"Calibration and healing text: Wikipedia calib split (rows `_mix`: both corpora's calib splits); healing {_settings(cfg['heal'])} (rows' own: {HEAL_OVERRIDES}); perplexity: {cfg['eval_tokens']} "
         "tokens of each eval split, 512-token windows; ratios to the dense model. Written by benchmarks/heal.py.\n\n"
     )
 
 
 if __name__ == "__main__":
     bench_main(__doc__, NAME, DEFAULTS, run, report, plot, header)
-# TRAWL in its default grouped layout (slices as tall as K; Q and O in n_rep slots each: every weight once)
-ROWS["trawl_attn0.8_group_bf16"] = {**ROWS["trawl_attn0.8"], "gqa": "group"}
-HEAL_OVERRIDES["trawl_attn0.8_group_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
