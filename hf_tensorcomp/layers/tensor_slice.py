@@ -147,7 +147,7 @@ class TensorSlice(FactorizedModule):
         f = self.factors
         ms = [f.mixing(c) for c in self.weight.view(self.slots, -1)]
         w = torch.stack([self._out_factor() @ (torch.diag(m) if f.kind == "cp" else m) @ f.in_factor.T for m in ms])
-        w = self._interleave(w.permute(2, 0, 1)).T  # (slots, rows, cols) -> rows in the model's head order
+        w = self._interleave(w.permute(2, 0, 1)).T if self.slots > 1 else w[0]  # rows in the model's head order
         return w.T if self.transposed else w
 
     def spec(self) -> dict:
