@@ -48,3 +48,20 @@ def reloads_identically(model, path, ids):
     with torch.no_grad():
         assert torch.equal(again(ids).logits, ref)
     return again
+
+
+def reloads_without_option(model, path, option, ids):
+    """Save `model`, delete `option` from its first config entry (a checkpoint written before the option
+    existed) and reload it; asserts identical logits and returns the reloaded model's value of the option."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]["entries"][0][option]
+    (path / "config.json").write_text(json.dumps(cfg))
+    again = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    return again.config.quantization_config.entries[0].options[option]

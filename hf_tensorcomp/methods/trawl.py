@@ -290,7 +290,7 @@ class Trawl(Method):
                 i = starts[name]
                 if n_slots == 1:
                     m = fit_core(tensor[i], a, b, *((p, None) if transposed else (None, p)), diagonal=cp).float()
-                else:  # O's slots read parts of one input: W[:, slot order] = B [M_0ᵀ ... M_{s-1}ᵀ] diag(Aᵀ, ..., Aᵀ)
+                else:  # O's slots read parts of one input: W[:, slot order] = B [M_0ᵀ .. M_{s-1}ᵀ] diag(Aᵀ, .., Aᵀ)
                     cols = torch.arange(p.shape[0], device=p.device).view(-1, n_slots, hd).transpose(0, 1).reshape(-1)
                     m = fit_core(weights[name].detach().float()[:, cols], b, torch.block_diag(*[a] * n_slots), None,
                                  p[cols][:, cols], diagonal=cp).float()
