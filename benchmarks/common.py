@@ -239,6 +239,15 @@ def child_setup(job: dict):
     return path, AutoTokenizer.from_pretrained(path), {"model": job["model"], "row": job["row"], "cpu": cpu_kind()}
 
 
+def row_calibration(fields: dict, row: dict) -> str:
+    """Pop a row's own calibration text from its config fields (default: the Wikipedia calib split) and
+    record it in the result row when it is not the default."""
+    calibration = fields.pop("calibration", "wikipedia")
+    if calibration != "wikipedia":
+        row["calibration"] = calibration
+    return calibration
+
+
 def ppl_both(model, tok, max_tokens: int) -> dict:
     """Perplexity on the Wikipedia eval split and on OpenWebText's (512-token windows), outside inference
     mode (quanto's int4 weights fail there)."""

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, bench_main, child_setup, markdown_table, per_model, ppl_both, ratio_plot, run_rows, wikihow  # noqa: E402
+from common import (RESULTS, bench_main, child_setup, markdown_table, per_model, ppl_both, ratio_plot,  # noqa: E402
+                    row_calibration, run_rows, wikihow)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 from quantized import _linear_bytes  # noqa: E402
 
@@ -232,9 +233,7 @@ def _one(job: dict, q) -> None:
         row["ppl"] = ppl_both(model, tok, job["eval_tokens"])
     else:
         fields = dict(ROWS[job["row"]])
-        calibration = fields.pop("calibration", "wikipedia")  # a row may compress and heal on its own text
-        if calibration != "wikipedia":
-            row["calibration"] = calibration
+        calibration = row_calibration(fields, row)  # a row may compress and heal on its own text
         cfg = TensorCompressionConfig(progress=job["progress"], calibration=calibration, calibration_samples=job["calibration_samples"],
                                       calibration_length=job["calibration_length"], **fields)
         t0 = time.perf_counter()

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model,  # noqa: E402
-                    ppl_both, ratio_plot, run_rows, wikihow)
+                    ppl_both, ratio_plot, row_calibration, run_rows, wikihow)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
 NAME = "quantized"
@@ -394,13 +394,11 @@ def _one(job: dict, q) -> None:
         if fields["method"] == "laser":
             fields["targets"] = ["*_proj"]
         samples = fields.pop("calibration_samples", job["calibration_samples"])  # a row may set its own
-        calibration = fields.pop("calibration", "wikipedia")  # and its own calibration text
+        calibration = row_calibration(fields, row)  # and its own calibration text
         cfg = TensorCompressionConfig(progress=False, calibration=calibration, calibration_samples=samples,
                                       calibration_length=job["calibration_length"], **fields)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg)
         row["calibration_samples"] = samples
-        if calibration != "wikipedia":
-            row["calibration"] = calibration
         st = model.config.quantization_config.stats
         mods = st["modules"].values()
         row["bits"] = sorted({m["bits"] for m in mods if "bits" in m})

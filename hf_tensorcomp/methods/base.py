@@ -39,6 +39,17 @@ def check_solver_options(o: dict) -> None:
         fail("seed", o["seed"], "an int")
 
 
+#: TRAWL's and TensorLLM's layouts for grouped-query attention: every weight once, or K and V per query head
+GQA_LAYOUTS = ("group", "repeat")
+
+
+def check_gqa(o: dict) -> None:
+    """The grouped-query layout option TRAWL and TensorLLM share."""
+    if o["gqa"] not in GQA_LAYOUTS:
+        fail("gqa", o["gqa"], " | ".join(map(repr, GQA_LAYOUTS))
+             + " (every weight once, K and V beside their group's query heads; or K and V repeated per query head)")
+
+
 def check_schedule_options(o: dict) -> None:
     """The training-schedule options trained methods share (rotor, linearize): warm-up fraction, seed."""
     if not is_number(o["warmup"]) or not 0 <= o["warmup"] < 1:

@@ -48,10 +48,9 @@ from ..decompositions.allocation import multilinear_ranks
 from ..decompositions.cp_tucker import fit_core
 from ..decompositions.svd import unwhiten_factor, whiten_mode, whitening_factor
 from ..layers import HeadTuckerFactors, HeadTuckerProjection
-from .base import Method, check_solver_options, register_method, spec_fail
+from .base import Method, check_gqa, check_solver_options, register_method, spec_fail
 
 ROLE_OF = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
-GQA = ("group", "repeat")
 CONTAINER = "tensorllm_factors"
 
 
@@ -143,9 +142,7 @@ class TensorLLM(Method):
             fail("whiten", o["whiten"], "False | True (whiten the d_model mode by the Cholesky factor of XᵀX)")
         if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
             fail("damping", o["damping"], "a number in [0, 10]")
-        if o["gqa"] not in GQA:
-            fail("gqa", o["gqa"], " | ".join(map(repr, GQA))
-                 + " (one slab per KV group, or one per query head with K and V repeated)")
+        check_gqa(o)
         return o
 
     def needs(self, entry):

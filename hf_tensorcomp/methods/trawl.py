@@ -52,12 +52,11 @@ from ..decompositions.allocation import multilinear_ranks
 from ..decompositions.cp_tucker import fit_core
 from ..decompositions.svd import unwhiten_factor, whiten_mode, whitening_factor
 from ..layers import SharedFactors, TensorSlice
-from .base import Method, check_solver_options, register_method, spec_fail
+from .base import Method, check_gqa, check_solver_options, register_method, spec_fail
 
 DECOMPOSITIONS = ("cp", "tucker")
 GROUPS = {"qkvo": ("self_attn.*_proj",), "fc": ("mlp.*",)}
 FORMULATIONS = ("per_layer", "segmented", "whole_model")
-GQA = ("group", "repeat")
 CONTAINER = "trawl_factors"
 
 
@@ -157,8 +156,7 @@ class Trawl(Method):
                  f"{o['formulation']!r} (matrices of different layers read different inputs), or formulation='per_layer'")
         if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
             fail("damping", o["damping"], "a number in [0, 10]")
-        if o["gqa"] not in GQA:
-            fail("gqa", o["gqa"], choices(GQA))
+        check_gqa(o)
         return o
 
     def needs(self, entry):
@@ -242,10 +240,9 @@ class Trawl(Method):
                 "transposed": transposed, "n_rep": n_rep, "slots": n_slots}
         if n_rep > 1 or n_slots > 1:
             want["head_dim"] = hd
-        spec = {"slots": 1, **spec}
         for field, value in want.items():
-            if spec[field] != value:
-                spec_fail(name, field, spec[field], value, entry)
+            if spec.get(field, 1) != value:  # `slots` is left out of the spec when 1
+                spec_fail(name, field, spec.get(field, 1), value, entry)
         return want["factors"]
 
     def compress(self, modules, entry, ctx):
