@@ -67,6 +67,10 @@ VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/t
     "attn_trawl_whiten_group": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True,
                                 "gqa": "group"},
 }
+# the grouped layout with K's and V's slices weighted down in the fit (slice_weight: the fit spends less on them)
+for _w in (0.3, 0.5):
+    for _v in ("attn_trawl_group", "attn_trawl_whiten_group"):
+        VARIANTS[f"{_v}_kv{_w}"] = {**VARIANTS[_v], "slice_weight": {"k_proj": _w, "v_proj": _w}}
 NAME = "calibrated"
 
 

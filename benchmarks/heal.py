@@ -207,6 +207,19 @@ HEAL_OVERRIDES["trawl_attn0.8_group_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
 ROWS["laser0.8_bf16_mix"] = {**ROWS["laser0.8"], "calibration": "wikipedia+owt"}
 HEAL_OVERRIDES["laser0.8_bf16_mix"] = HEAL_OVERRIDES["laser0.8_bf16"]
 
+# Gemma-3's int4-bytes row with the language-model loss (lm0.1, bfloat16) compressed and healed on the library's
+# default calibration text (both corpora) instead of Wikipedia alone: what a user of the defaults gets
+ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16_mix"] = {
+    **ROWS["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4"], "calibration": "wikipedia+owt"}
+HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16_mix"] = HEAL_OVERRIDES[
+    "qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16"]
+
+# LASER at 80 % with every knob that helped it (300 steps, bfloat16, lm_weight 0.1, train="full") on twice the text:
+# every window of both corpora's calib splits (968: 847 trained on, 121 held out), compressed on that text too
+ROWS["laser0.8_968w_300s_lm0.1_full_mix"] = ROWS["laser0.8_bf16_mix"]
+HEAL_OVERRIDES["laser0.8_968w_300s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.8_481w_300s_lm0.1_full"],
+                                                       "samples": 968}
+
 
 def _one(job: dict, q) -> None:
     import torch

@@ -97,6 +97,25 @@ def test_factorized_and_dense_agree_and_reload(decomposition, rank, gqa, tiny_di
     assert torch.equal(again(ids).logits, fac(ids).logits)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("decomposition, rank", [("cp", 6), ("tucker", [8, 6, 6])])
+def test_slice_weight_moves_the_fit_between_matrices(decomposition, rank, tiny_dirs, ids):
+    """A slice weighted up is fitted closer and one weighted down less close; at full rank the weights change nothing."""
+    def err(m, name):
+        return m.config.quantization_config.stats["modules"][f"model.layers.0.self_attn.{name}"]["rel_error"]
+
+    kw = dict(decomposition=decomposition, group="qkvo", rank=rank, layers=[0], n_iter_max=200)
+    plain = load(tiny_dirs["llama"], **kw)
+    up = load(tiny_dirs["llama"], slice_weight={"k_proj": 4.0}, **kw)
+    down = load(tiny_dirs["llama"], slice_weight={"k_proj": 0.25, "v_proj": 0.25}, **kw)
+    assert err(up, "k_proj") < err(plain, "k_proj") < err(down, "k_proj")
+    assert err(down, "q_proj") < err(plain, "q_proj")
+    full = load(tiny_dirs["llama"], decomposition="tucker", group="qkvo", rank=1.0, slice_weight={"k_proj": 0.1})
+    assert rel_err(full(ids).logits, AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])(ids).logits) <= 1e-4
+    with pytest.raises(ValueError, match="slice_weight.*matches none"):
+        load(tiny_dirs["llama"], slice_weight={"kv_proj": 0.5}, **kw)
+
+
 def test_error_decreases_with_cp_rank(tiny_dirs):
     errs = []
     for r in (2, 8, 32):
@@ -123,6 +142,8 @@ def test_formulations_share_factors_across_layers(formulation, n_groups, tiny_di
     ({"formulation": "thirds"}, "formulation"),
     ({"n_iter_max": 0}, "n_iter_max"),
     ({"gqa": "mean"}, "gqa"),
+    ({"slice_weight": {"k_proj": 0}}, "slice_weight"),
+    ({"slice_weight": [0.3, 0.3]}, "slice_weight"),
     ({"decomposition": "tucker", "rank": [3, 4]}, "rank"),
 ])
 def test_bad_options(cfg, field):

@@ -21,6 +21,11 @@ Stacking (the tensor is n x O x N, one slice per matrix; the first largest matri
     errors for a little more on K's and V's (layer 15: Q 0.44 -> 0.27, K 0.20 -> 0.27, V 0.27 -> 0.33,
     O 0.58 -> 0.32). Whitened, whole model: Gemma-3 13.7x -> 4.6x dense perplexity, SmolLM2 2.9x ->
     3.6x (worse in closed form on its calibration kind of text; better on another kind and healed).
+``slice_weight`` (default None: every slice weighs 1): {matrix name: w}, e.g. {"k_proj": 0.3, "v_proj": 0.3}; the
+decomposition fits w x that matrix's slices (each of its slots), so it spends more of the shared factors on a matrix
+weighted up and less on one weighted down, then divides the weight back out of the slice's row of the mode-0
+factor (CP: its coefficients; Tucker: its row of C, folded into its own core when R0 = n). The stored model and its
+forward are the same either way; the option changes only which slices the fit favours.
 Formulations: ``per_layer`` (default, the paper's), ``segmented`` (the model's early / middle / late
 thirds, each one tensor over its chosen layers) and ``whole_model`` (one tensor over all chosen layers).
 
@@ -137,7 +142,7 @@ class Trawl(Method):
               "or init='random'")
     option_defaults = {"decomposition": "cp", "group": "fc", "formulation": "per_layer",
                        "n_iter_max": 100, "tol": 1e-6, "init": "svd", "seed": 0,
-                       "whiten": False, "damping": 1e-4, "gqa": "group"}
+                       "whiten": False, "damping": 1e-4, "gqa": "group", "slice_weight": None}
     saved_defaults = {"gqa": "repeat"}  # the only layout before the option existed
 
     def validate_options(self, options):
@@ -157,6 +162,11 @@ class Trawl(Method):
         if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
             fail("damping", o["damping"], "a number in [0, 10]")
         check_gqa(o)
+        w = o["slice_weight"]
+        if w is not None and not (isinstance(w, dict) and w and all(
+                isinstance(k, str) and is_number(v) and 0 < v < float("inf") for k, v in w.items())):
+            fail("slice_weight", w, "None (every slice weighs 1) or a dict {matrix name: weight > 0}, e.g. "
+                 "{'k_proj': 0.3, 'v_proj': 0.3}")
         return o
 
     def needs(self, entry):
@@ -216,6 +226,10 @@ class Trawl(Method):
         (out_dim, in_dim), plan = stacking_plan({k: tuple(m.weight.shape) for k, m in modules.items()},
                                                 _head_dim(ctx.config), entry.options["gqa"])
         n = sum(p[2] for p in plan.values())
+        unknown = sorted(set(entry.options["slice_weight"] or ()) - {k.rpartition(".")[2] for k in modules})
+        if unknown:
+            fail("slice_weight", entry.options["slice_weight"], f"names of this group's matrices "
+                 f"({sorted(k.rpartition('.')[2] for k in modules)}); {unknown} matches none")
         original = sum(m.weight.numel() for m in modules.values())
         r0, r1, r2 = self._ranks(entry, n, out_dim, in_dim, original)
         if min(r0, r1, r2) < 1:
@@ -262,6 +276,11 @@ class Trawl(Method):
             fitted = whiten_mode(tensor, s, 2).float()
         else:
             fitted = tensor
+        scale = torch.ones(n, dtype=fitted.dtype, device=fitted.device)  # each slice's weight in the fit
+        for name, w in (opts["slice_weight"] or {}).items():
+            for k in (k for k in weights if k.rpartition(".")[2] == name):
+                scale[starts[k]:starts[k] + plan[k][2]] = w
+        fitted = fitted * scale[:, None, None]
         original = sum(w.numel() for w in weights.values())
         ranks = self._ranks(entry, n, out_dim, in_dim, original, fitted)
         kw = dict(n_iter_max=opts["n_iter_max"], tol=opts["tol"], init=opts["init"], seed=opts["seed"])
@@ -274,6 +293,7 @@ class Trawl(Method):
             d = tucker_hooi(fitted, ranks, **kw)
             c, a, b = d.factors
             core = d.core
+        c = c / scale[:, None].to(c)  # slice i of the fit is scale_i x T_i: its own approximation is row i / scale_i
         refit = []
         if s is not None:
             b = unwhiten_factor(s, b).float()
