@@ -116,6 +116,23 @@ def test_slice_weight_moves_the_fit_between_matrices(decomposition, rank, tiny_d
         load(tiny_dirs["llama"], slice_weight={"kv_proj": 0.5}, **kw)
 
 
+def test_balanced_slice_weight_ignores_a_matrix_scale(tiny_dirs, tmp_path):
+    """'balanced' fits relative errors: scaling one matrix by 10 changes nothing; unweighted, that matrix takes over."""
+    scaled = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    with torch.no_grad():
+        scaled.model.layers[0].self_attn.k_proj.weight.mul_(10)
+    scaled.save_pretrained(tmp_path)
+
+    def errs(path, weight):
+        m = load(path, decomposition="tucker", group="qkvo", rank=[8, 6, 6], layers=[0], slice_weight=weight)
+        mods = m.config.quantization_config.stats["modules"]
+        return [mods[f"model.layers.0.self_attn.{p}_proj"]["rel_error"] for p in "qkvo"]
+
+    assert errs(tmp_path, "balanced") == pytest.approx(errs(tiny_dirs["llama"], "balanced"), rel=1e-3)
+    plain, big = errs(tiny_dirs["llama"], None), errs(tmp_path, None)
+    assert big[1] < plain[1] and big[0] > plain[0]
+
+
 def test_error_decreases_with_cp_rank(tiny_dirs):
     errs = []
     for r in (2, 8, 32):
@@ -144,6 +161,7 @@ def test_formulations_share_factors_across_layers(formulation, n_groups, tiny_di
     ({"gqa": "mean"}, "gqa"),
     ({"slice_weight": {"k_proj": 0}}, "slice_weight"),
     ({"slice_weight": [0.3, 0.3]}, "slice_weight"),
+    ({"slice_weight": "relative"}, "slice_weight"),
     ({"decomposition": "tucker", "rank": [3, 4]}, "rank"),
 ])
 def test_bad_options(cfg, field):

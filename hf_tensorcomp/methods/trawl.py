@@ -24,8 +24,10 @@ Stacking (the tensor is n x O x N, one slice per matrix; the first largest matri
 ``slice_weight`` (default None: every slice weighs 1): {matrix name: w}, e.g. {"k_proj": 0.3, "v_proj": 0.3}; the
 decomposition fits w x that matrix's slices (each of its slots), so it spends more of the shared factors on a matrix
 weighted up and less on one weighted down, then divides the weight back out of the slice's row of the mode-0
-factor (CP: its coefficients; Tucker: its row of C, folded into its own core when R0 = n). The stored model and its
-forward are the same either way; the option changes only which slices the fit favours.
+factor (CP: its coefficients; Tucker: its row of C, folded into its own core when R0 = n). ``"balanced"``: each
+matrix's w is 1 / its RMS slice norm (whitened: of its slices in the whitened space), so the fit minimises the sum
+of the matrices' relative errors rather than the absolute error, which the matrix with the largest norm dominates.
+The stored model and its forward are the same either way; the option changes only which slices the fit favours.
 Formulations: ``per_layer`` (default, the paper's), ``segmented`` (the model's early / middle / late
 thirds, each one tensor over its chosen layers) and ``whole_model`` (one tensor over all chosen layers).
 
@@ -163,10 +165,10 @@ class Trawl(Method):
             fail("damping", o["damping"], "a number in [0, 10]")
         check_gqa(o)
         w = o["slice_weight"]
-        if w is not None and not (isinstance(w, dict) and w and all(
+        if w is not None and w != "balanced" and not (isinstance(w, dict) and w and all(
                 isinstance(k, str) and is_number(v) and 0 < v < float("inf") for k, v in w.items())):
-            fail("slice_weight", w, "None (every slice weighs 1) or a dict {matrix name: weight > 0}, e.g. "
-                 "{'k_proj': 0.3, 'v_proj': 0.3}")
+            fail("slice_weight", w, "None (every slice weighs 1), 'balanced' (each matrix's slices scaled to the same "
+                 "norm: relative errors) or a dict {matrix name: weight > 0}, e.g. {'k_proj': 0.3, 'v_proj': 0.3}")
         return o
 
     def needs(self, entry):
@@ -226,7 +228,8 @@ class Trawl(Method):
         (out_dim, in_dim), plan = stacking_plan({k: tuple(m.weight.shape) for k, m in modules.items()},
                                                 _head_dim(ctx.config), entry.options["gqa"])
         n = sum(p[2] for p in plan.values())
-        unknown = sorted(set(entry.options["slice_weight"] or ()) - {k.rpartition(".")[2] for k in modules})
+        weights = entry.options["slice_weight"]
+        unknown = sorted(set(weights if isinstance(weights, dict) else ()) - {k.rpartition(".")[2] for k in modules})
         if unknown:
             fail("slice_weight", entry.options["slice_weight"], f"names of this group's matrices "
                  f"({sorted(k.rpartition('.')[2] for k in modules)}); {unknown} matches none")
@@ -277,9 +280,12 @@ class Trawl(Method):
         else:
             fitted = tensor
         scale = torch.ones(n, dtype=fitted.dtype, device=fitted.device)  # each slice's weight in the fit
-        for name, w in (opts["slice_weight"] or {}).items():
-            for k in (k for k in weights if k.rpartition(".")[2] == name):
-                scale[starts[k]:starts[k] + plan[k][2]] = w
+        for k, (_, _, n_slots) in plan.items():
+            i, w = starts[k], opts["slice_weight"]
+            if w == "balanced":  # 1 / the matrix's RMS slice norm (in the whitened space when whitened)
+                scale[i:i + n_slots] = fitted[i:i + n_slots].square().sum((1, 2)).mean().clamp_min(1e-30).rsqrt()
+            elif isinstance(w, dict) and k.rpartition(".")[2] in w:
+                scale[i:i + n_slots] = w[k.rpartition(".")[2]]
         fitted = fitted * scale[:, None, None]
         original = sum(w.numel() for w in weights.values())
         ranks = self._ranks(entry, n, out_dim, in_dim, original, fitted)
