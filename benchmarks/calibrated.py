@@ -71,7 +71,10 @@ VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/t
 for _w in (0.3, 0.5):
     for _v in ("attn_trawl_group", "attn_trawl_whiten_group"):
         VARIANTS[f"{_v}_kv{_w}"] = {**VARIANTS[_v], "slice_weight": {"k_proj": _w, "v_proj": _w}}
-for _v in ("attn_trawl_group", "attn_trawl_whiten_group"):  # each matrix scaled to the same norm: relative errors
+# TRAWL on the MLP (gate, up and down_proj transposed: the paper's FC stack), Tucker, whitened
+VARIANTS["fc_trawl_whiten"] = {"method": "trawl", "decomposition": "tucker", "group": "fc", "whiten": True}
+for _v in ("attn_trawl_group", "attn_trawl_whiten_group", "fc_trawl_whiten",  # each matrix scaled to one norm
+           "attn_tensorllm_whiten_group"):
     VARIANTS[f"{_v}_balanced"] = {**VARIANTS[_v], "slice_weight": "balanced"}
 NAME = "calibrated"
 

@@ -158,11 +158,32 @@ def test_case3_tensorllm_on_attention_with_laser_on_ffn(tiny_dirs, ids, tmp_path
     ({"rank": 8, "ratio": 4}, "rank"),
     ({"ratio": 4, "init": "zeros"}, "init"),
     ({"ratio": 4, "gqa": "mean"}, "gqa"),
+    ({"ratio": 4, "slice_weight": {"k_proj": -1}}, "slice_weight"),
 ])
 def test_bad_options(cfg, field):
     with pytest.raises(ValueError) as e:
         TensorCompressionConfig(method="tensorllm", **cfg)
     assert f".{field}:" in str(e.value) and "allowed" in str(e.value)
+
+
+@torch.no_grad()
+def test_slice_weight_moves_the_fit_and_balanced_ignores_a_matrix_scale(tiny_dirs, ids, tmp_path):
+    scaled = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    scaled.model.layers[0].self_attn.k_proj.weight.mul_(10)
+    scaled.save_pretrained(tmp_path)
+
+    def errs(path, weight):
+        m = load(path, ranks=(12, 4, 6), layers=[0], slice_weight=weight)
+        mods = m.config.quantization_config.stats["modules"]
+        return [mods[f"model.layers.0.self_attn.{p}_proj"]["rel_error"] for p in "qkvo"]
+
+    plain = errs(tiny_dirs["llama"], None)
+    assert errs(tmp_path, "balanced") == pytest.approx(errs(tiny_dirs["llama"], "balanced"), rel=1e-3)
+    assert errs(tiny_dirs["llama"], {"k_proj": 5.0})[1] < plain[1] < errs(tiny_dirs["llama"], {"k_proj": 0.2})[1]
+    full = load(tiny_dirs["llama"], ranks=full_ranks(scaled), slice_weight={"v_proj": 0.1, "o_proj": 3})
+    assert rel_err(full(ids).logits, AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])(ids).logits) <= 1e-4
+    with pytest.raises(ValueError, match="slice_weight.*matches none"):
+        load(tiny_dirs["llama"], ranks=(12, 4, 6), slice_weight={"q": 2.0})
 
 
 def test_ranks_too_large_or_wrong_targets_fail_before_loading(tiny_dirs):

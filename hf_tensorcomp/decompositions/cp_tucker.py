@@ -103,3 +103,20 @@ def fit_core(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pl: torch.Tensor
         c = torch.linalg.solve((a.T @ pa).repeat(s, s) * (b.T @ pb), rhs.view(r, s, r).diagonal(0, 0, 2).reshape(-1))
         return c if b.shape[1] == r else c.view(s, r)
     return torch.linalg.solve(b.T @ pb, torch.linalg.solve(a.T @ pa, rhs).T).T
+
+
+def slice_scales(tensor: torch.Tensor, mode: int, spans: dict[str, tuple[int, int]], weight) -> torch.Tensor:
+    """Each index of `tensor`'s `mode` scaled for a weighted fit (TRAWL's and TensorLLM's ``slice_weight``).
+
+    spans: {matrix name: (first index, count)} along `mode`; weight: None (all 1), ``"balanced"`` (each
+    matrix 1 / the RMS norm of its slices, so a fit of the scaled tensor minimises the sum of the matrices'
+    squared relative errors) or {matrix name: w} (names absent weigh 1). Fit ``tensor * scale`` along
+    `mode`, then divide that mode's factor rows by the scale: the model's matrices are unchanged in form."""
+    scale = torch.ones(tensor.shape[mode], dtype=tensor.dtype, device=tensor.device)
+    for name, (i, n) in spans.items():
+        if weight == "balanced":
+            part = tensor.narrow(mode, i, n).movedim(mode, 0)
+            scale[i:i + n] = part.square().flatten(1).sum(1).mean().clamp_min(1e-30).rsqrt()
+        elif isinstance(weight, dict) and name in weight:
+            scale[i:i + n] = weight[name]
+    return scale

@@ -50,6 +50,23 @@ def check_gqa(o: dict) -> None:
              + " (every weight once, K and V beside their group's query heads; or K and V repeated per query head)")
 
 
+def check_slice_weight(o: dict) -> None:
+    """``slice_weight``, the weighted-fit option TRAWL and TensorLLM share (`slice_scales`)."""
+    w = o["slice_weight"]
+    if w is not None and w != "balanced" and not (isinstance(w, dict) and w and all(
+            isinstance(k, str) and is_number(v) and 0 < v < float("inf") for k, v in w.items())):
+        fail("slice_weight", w, "None (every matrix weighs 1), 'balanced' (each matrix's slices scaled to the same "
+             "norm: the sum of relative errors) or a dict {matrix name: weight > 0}, e.g. {'k_proj': 0.3}")
+
+
+def check_slice_names(o: dict, names) -> None:
+    """Every name of a ``slice_weight`` dict is one of the group's matrices (`names`: their last name part)."""
+    unknown = sorted(set(o["slice_weight"] if isinstance(o["slice_weight"], dict) else ()) - set(names))
+    if unknown:
+        fail("slice_weight", o["slice_weight"], f"names of this group's matrices ({sorted(set(names))}); "
+             f"{unknown} matches none")
+
+
 def check_schedule_options(o: dict) -> None:
     """The training-schedule options trained methods share (rotor, linearize): warm-up fraction, seed."""
     if not is_number(o["warmup"]) or not 0 <= o["warmup"] < 1:

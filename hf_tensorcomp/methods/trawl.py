@@ -56,10 +56,11 @@ import torch
 from ..validation import choices, fail, is_int, is_number
 from ..decompositions import CP, Tucker, cp_als, relative_error, tucker_hooi
 from ..decompositions.allocation import multilinear_ranks
-from ..decompositions.cp_tucker import fit_core
+from ..decompositions.cp_tucker import fit_core, slice_scales
 from ..decompositions.svd import unwhiten_factor, whiten_mode, whitening_factor
 from ..layers import SharedFactors, TensorSlice
-from .base import Method, check_gqa, check_solver_options, register_method, spec_fail
+from .base import (Method, check_gqa, check_slice_names, check_slice_weight, check_solver_options, register_method,
+                   spec_fail)
 
 DECOMPOSITIONS = ("cp", "tucker")
 GROUPS = {"qkvo": ("self_attn.*_proj",), "fc": ("mlp.*",)}
@@ -164,11 +165,7 @@ class Trawl(Method):
         if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
             fail("damping", o["damping"], "a number in [0, 10]")
         check_gqa(o)
-        w = o["slice_weight"]
-        if w is not None and w != "balanced" and not (isinstance(w, dict) and w and all(
-                isinstance(k, str) and is_number(v) and 0 < v < float("inf") for k, v in w.items())):
-            fail("slice_weight", w, "None (every slice weighs 1), 'balanced' (each matrix's slices scaled to the same "
-                 "norm: relative errors) or a dict {matrix name: weight > 0}, e.g. {'k_proj': 0.3, 'v_proj': 0.3}")
+        check_slice_weight(o)
         return o
 
     def needs(self, entry):
@@ -228,11 +225,7 @@ class Trawl(Method):
         (out_dim, in_dim), plan = stacking_plan({k: tuple(m.weight.shape) for k, m in modules.items()},
                                                 _head_dim(ctx.config), entry.options["gqa"])
         n = sum(p[2] for p in plan.values())
-        weights = entry.options["slice_weight"]
-        unknown = sorted(set(weights if isinstance(weights, dict) else ()) - {k.rpartition(".")[2] for k in modules})
-        if unknown:
-            fail("slice_weight", entry.options["slice_weight"], f"names of this group's matrices "
-                 f"({sorted(k.rpartition('.')[2] for k in modules)}); {unknown} matches none")
+        check_slice_names(entry.options, [k.rpartition(".")[2] for k in modules])
         original = sum(m.weight.numel() for m in modules.values())
         r0, r1, r2 = self._ranks(entry, n, out_dim, in_dim, original)
         if min(r0, r1, r2) < 1:
@@ -279,13 +272,9 @@ class Trawl(Method):
             fitted = whiten_mode(tensor, s, 2).float()
         else:
             fitted = tensor
-        scale = torch.ones(n, dtype=fitted.dtype, device=fitted.device)  # each slice's weight in the fit
-        for k, (_, _, n_slots) in plan.items():
-            i, w = starts[k], opts["slice_weight"]
-            if w == "balanced":  # 1 / the matrix's RMS slice norm (in the whitened space when whitened)
-                scale[i:i + n_slots] = fitted[i:i + n_slots].square().sum((1, 2)).mean().clamp_min(1e-30).rsqrt()
-            elif isinstance(w, dict) and k.rpartition(".")[2] in w:
-                scale[i:i + n_slots] = w[k.rpartition(".")[2]]
+        w = opts["slice_weight"]  # each matrix's weight in the fit (a dict names them by their last name part)
+        w = {k: w[k.rpartition(".")[2]] for k in plan if k.rpartition(".")[2] in w} if isinstance(w, dict) else w
+        scale = slice_scales(fitted, 0, {k: (starts[k], plan[k][2]) for k in plan}, w)
         fitted = fitted * scale[:, None, None]
         original = sum(w.numel() for w in weights.values())
         ranks = self._ranks(entry, n, out_dim, in_dim, original, fitted)
