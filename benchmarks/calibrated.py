@@ -59,20 +59,24 @@ VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/t
                              "gqa": "group"},
     "attn_tensorllm_whiten_group": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True,
                                     "gqa": "group"},
-    "attn_trawl": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "calibrate": False, "gqa": "repeat"},
-    "attn_trawl_whiten": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True, "gqa": "repeat"},
+    # TRAWL rows measured before slice_weight="balanced" became its default name the unweighted fit (None)
+    "attn_trawl": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "calibrate": False, "gqa": "repeat",
+                   "slice_weight": None},
+    "attn_trawl_whiten": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True, "gqa": "repeat",
+                          "slice_weight": None},
     # TRAWL's default layout on grouped-query attention: slices as tall as K, Q and O in n_rep slots each
     "attn_trawl_group": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "calibrate": False,
-                         "gqa": "group"},
+                         "gqa": "group", "slice_weight": None},
     "attn_trawl_whiten_group": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True,
-                                "gqa": "group"},
+                                "gqa": "group", "slice_weight": None},
 }
 # the grouped layout with K's and V's slices weighted down in the fit (slice_weight: the fit spends less on them)
 for _w in (0.3, 0.5):
     for _v in ("attn_trawl_group", "attn_trawl_whiten_group"):
         VARIANTS[f"{_v}_kv{_w}"] = {**VARIANTS[_v], "slice_weight": {"k_proj": _w, "v_proj": _w}}
 # TRAWL on the MLP (gate, up and down_proj transposed: the paper's FC stack), Tucker, whitened
-VARIANTS["fc_trawl_whiten"] = {"method": "trawl", "decomposition": "tucker", "group": "fc", "whiten": True}
+VARIANTS["fc_trawl_whiten"] = {"method": "trawl", "decomposition": "tucker", "group": "fc", "whiten": True,
+                               "slice_weight": None}
 for _v in ("attn_trawl_group", "attn_trawl_whiten_group", "fc_trawl_whiten",  # each matrix scaled to one norm
            "attn_tensorllm_whiten_group"):
     VARIANTS[f"{_v}_balanced"] = {**VARIANTS[_v], "slice_weight": "balanced"}

@@ -45,9 +45,9 @@ def configs(layer: int, ranks: dict) -> dict[str, TensorCompressionConfig]:
     return {
         "laser": TensorCompressionConfig(method="laser", rank=ranks["laser"], targets=["mlp.*_proj"], layers=[layer], progress=False),
         "trawl-cp": TensorCompressionConfig(method="trawl", decomposition="cp", group="fc", rank=ranks["cp"], layers=[layer],
-                                            n_iter_max=50, progress=False),
+                                            n_iter_max=50, slice_weight=None, progress=False),  # the paper's fit
         "trawl-tucker": TensorCompressionConfig(method="trawl", decomposition="tucker", group="fc", rank=ranks["tucker"],
-                                                layers=[layer], progress=False),
+                                                layers=[layer], slice_weight=None, progress=False),
     }
 
 

@@ -109,8 +109,8 @@ def test_whitening_lowers_the_output_error(method, group, gqa, slack):
     5 % of the unwhitened error (without the refit, TRAWL's are 10-20 % worse; TensorLLM's grouped layout
     measures 1.07x here, still below the repeated layout's error). Fails if S⁻ᵀ is not folded back."""
     modules, inputs, ctx = _unit(method, group)
-    options = dict(decomposition="tucker", group=group, **({"gqa": gqa} if gqa else {})) if method == "trawl" \
-        else {"gqa": gqa}
+    options = dict(decomposition="tucker", group=group, slice_weight=None, **({"gqa": gqa} if gqa else {})) \
+        if method == "trawl" else {"gqa": gqa}  # the unweighted fit, so both sides weigh the matrices alike
     plain = _output_errors(method, modules, inputs, ctx, **options)
     white = _output_errors(method, modules, inputs, ctx, whiten=True, **options)
     for n in modules:
