@@ -74,6 +74,8 @@ VARIANTS = {  # label -> TensorCompressionConfig fields (besides method/target/t
 for _w in (0.3, 0.5):
     for _v in ("attn_trawl_group", "attn_trawl_whiten_group"):
         VARIANTS[f"{_v}_kv{_w}"] = {**VARIANTS[_v], "slice_weight": {"k_proj": _w, "v_proj": _w}}
+for _v in ("attn_tensorllm", "attn_tensorllm_whiten", "attn_tensorllm_group", "attn_tensorllm_whiten_group"):
+    VARIANTS[_v]["slice_weight"] = None  # measured before slice_weight="balanced" became TensorLLM's default
 # TRAWL on the MLP (gate, up and down_proj transposed: the paper's FC stack), Tucker, whitened
 VARIANTS["fc_trawl_whiten"] = {"method": "trawl", "decomposition": "tucker", "group": "fc", "whiten": True,
                                "slice_weight": None}

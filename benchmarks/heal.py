@@ -47,7 +47,7 @@ ROWS = {
     "qlr4_r32": {"method": "qlr", "bits": 4, "group_size": 128, "rank": 32, "grid": "minmax", "act_order": False},  # the README's main job
     # the attention's q,k,v,o at 0.8 of their parameters, whitened (the calibrated benchmark's best settings)
     "tensorllm_attn0.8": {"method": "tensorllm", "targets": ["self_attn.*_proj"], "whiten": True, "target": 0.8,
-                          "gqa": "repeat"},
+                          "gqa": "repeat", "slice_weight": None},
     "trawl_attn0.8": {"method": "trawl", "decomposition": "tucker", "group": "qkvo", "whiten": True, "target": 0.8,
                       "gqa": "repeat", "slice_weight": None},  # measured before "balanced" became the default
 }

@@ -46,8 +46,10 @@ def laser_cost_per_rank(layer) -> int:
 
 
 def tensorllm(layers, **kw) -> TensorCompressionConfig:
-    # measured with K and V repeated per query head (the layout before "group" became the default)
-    return TensorCompressionConfig(method="tensorllm", layers=layers, progress=False, gqa="repeat", **kw)
+    # measured with K and V repeated per query head and the unweighted fit (before "group" and "balanced" became the
+    # defaults)
+    return TensorCompressionConfig(method="tensorllm", layers=layers, progress=False, gqa="repeat", slice_weight=None,
+                                   **kw)
 
 
 def run_model(name: str, p: dict) -> list[dict]:

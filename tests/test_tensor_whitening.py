@@ -110,7 +110,7 @@ def test_whitening_lowers_the_output_error(method, group, gqa, slack):
     measures 1.07x here, still below the repeated layout's error). Fails if S⁻ᵀ is not folded back."""
     modules, inputs, ctx = _unit(method, group)
     options = dict(decomposition="tucker", group=group, slice_weight=None, **({"gqa": gqa} if gqa else {})) \
-        if method == "trawl" else {"gqa": gqa}  # the unweighted fit, so both sides weigh the matrices alike
+        if method == "trawl" else {"gqa": gqa, "slice_weight": None}  # the unweighted fit on both sides
     plain = _output_errors(method, modules, inputs, ctx, **options)
     white = _output_errors(method, modules, inputs, ctx, whiten=True, **options)
     for n in modules:

@@ -22,8 +22,10 @@ Grouped-query attention (the paper's models have none), option ``gqa``:
   count it pays for the copies with rank: at 80 % of the attention's parameters the reconstruction
   error of Gemma-3-270M's layers is 0.42-0.48 against 0.28-0.34 grouped.
 
-``slice_weight``: as TRAWL's (None, ``"balanced"``, or {matrix name: w}), on mode 3: the fit sees w x each
-matrix's slots and U3's rows are divided by w after it.
+``slice_weight``: as TRAWL's (``"balanced"``, the default: each matrix's slots scaled to the same norm, whitened
+when whitened; None, the paper's unweighted fit; or {matrix name: w}), on mode 3: the fit sees w x each matrix's
+slots and U3's rows are divided by w after it. Whitened, grouped, 80 % of the attention's parameters, balanced
+against unweighted: SmolLM2 2.4x against 3.05x dense perplexity, Gemma-3 2.4x against 4.6x.
 
 Ranks: ``ranks=(R1, R2, R3)``, or ``ratio=CR`` — the paper's compression rate (the layer's original
 attention weight count over the compressed count, biases excluded) — for which ranks are chosen
@@ -124,7 +126,7 @@ class TensorLLM(Method):
     remedy = "larger ranks or a smaller ratio"
     supports_target = True
     option_defaults = {"ranks": None, "ratio": None, "n_iter_max": 50, "tol": 1e-4, "init": "svd", "seed": 0,
-                       "whiten": False, "damping": 1e-4, "gqa": "group", "slice_weight": None}
+                       "whiten": False, "damping": 1e-4, "gqa": "group", "slice_weight": "balanced"}
     saved_defaults = {"gqa": "repeat"}  # the only layout before the option existed
 
     def validate_options(self, options):
