@@ -22,17 +22,16 @@ Stacking (the tensor is n x O x N, one slice per matrix; the first largest matri
     O 0.58 -> 0.32). Whitened, whole model, unweighted fit: Gemma-3 13.7x -> 4.6x dense perplexity,
     SmolLM2 2.9x -> 3.6x (worse in closed form on its calibration kind of text; better on another kind
     and healed); with ``slice_weight="balanced"`` (the default) grouped: Gemma-3 2.4x, SmolLM2 2.6x.
-``slice_weight``: None (the paper's fit: every slice weighs 1) or {matrix name: w}, e.g. {"k_proj": 0.3, "v_proj": 0.3}; the
-decomposition fits w x that matrix's slices (each of its slots), so it spends more of the shared factors on a matrix
-weighted up and less on one weighted down, then divides the weight back out of the slice's row of the mode-0
-factor (CP: its coefficients; Tucker: its row of C, folded into its own core when R0 = n). ``"balanced"`` (default): each
-matrix's w is 1 / its RMS slice norm (whitened: of its slices in the whitened space), so the fit minimises the sum
-of the matrices' relative errors rather than the absolute error, which the matrix with the largest norm dominates.
-The stored model and its forward are the same either way; the option changes only which slices the fit favours.
-Unweighted, the fit spends the shared factors where the norm is: SmolLM2's whitened K slices are the largest (its
-layer-0 K has 1.4x Q's norm per slice unwhitened), and the other matrices pay. Whole model (Tucker, 80 % of the
-attention's parameters, whitened, grouped), balanced against unweighted: SmolLM2 2.6x against 3.6x dense
-perplexity, Gemma-3 2.4x against 4.6x; K and V at a fixed 0.3 helped SmolLM2 (2.8x) and hurt Gemma-3 (8.2x).
+``slice_weight`` (`slice_scales`): {matrix name: w}, e.g. {"k_proj": 0.3, "v_proj": 0.3}, makes the decomposition
+fit w x that matrix's slices (each of its slots), so it spends more of the shared factors on a matrix weighted up
+and less on one weighted down; the weight is then divided back out of the slice's row of the mode-0 factor (CP: its
+coefficients; Tucker: its row of C, folded into its own core when R0 = n). ``"balanced"`` (the default): each
+matrix's w is 1 / its RMS slice norm (whitened: in the whitened space), so the fit minimises the sum of the
+matrices' relative errors; None is the paper's fit (every slice weighs 1), whose absolute error the matrix with
+the largest norm dominates (SmolLM2's layer 0, unwhitened, per slice: K 132, Q 94, O 21, V 16). The stored model
+and its forward are the same either way. Whole model (Tucker, 80 % of the attention's parameters, whitened,
+grouped), balanced against unweighted: SmolLM2 2.6x against 3.6x dense perplexity, Gemma-3 2.4x against 4.6x;
+K and V at a fixed 0.3 helped SmolLM2 (2.8x) and hurt Gemma-3 (8.2x).
 Formulations: ``per_layer`` (default, the paper's), ``segmented`` (the model's early / middle / late
 thirds, each one tensor over its chosen layers) and ``whole_model`` (one tensor over all chosen layers).
 
@@ -277,9 +276,9 @@ class Trawl(Method):
             fitted = whiten_mode(tensor, s, 2).float()
         else:
             fitted = tensor
-        w = opts["slice_weight"]  # each matrix's weight in the fit (a dict names them by their last name part)
-        w = {k: w[k.rpartition(".")[2]] for k in plan if k.rpartition(".")[2] in w} if isinstance(w, dict) else w
-        scale = slice_scales(fitted, 0, {k: (starts[k], plan[k][2]) for k in plan}, w)
+        sw = opts["slice_weight"]  # each matrix's weight in the fit (a dict names them by their last name part)
+        sw = {k: sw[k.rpartition(".")[2]] for k in plan if k.rpartition(".")[2] in sw} if isinstance(sw, dict) else sw
+        scale = slice_scales(fitted, 0, {k: (starts[k], plan[k][2]) for k in plan}, sw)
         fitted = fitted * scale[:, None, None]
         original = sum(w.numel() for w in weights.values())
         ranks = self._ranks(entry, n, out_dim, in_dim, original, fitted)
