@@ -217,11 +217,6 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16_mix
 # grouped TRAWL with slice_weight="balanced" (each matrix's whitened slices scaled to one norm before the fit)
 ROWS["trawl_attn0.8_group_balanced_bf16"] = {**ROWS["trawl_attn0.8_group_bf16"], "slice_weight": "balanced"}
 HEAL_OVERRIDES["trawl_attn0.8_group_balanced_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
-# LASER at 80 % with every knob that helped it (300 steps, bfloat16, lm_weight 0.1, train="full") on twice the text:
-# every window of both corpora's calib splits (968: 847 trained on, 121 held out), compressed on that text too
-ROWS["laser0.8_968w_300s_lm0.1_full_mix"] = ROWS["laser0.8_bf16_mix"]
-HEAL_OVERRIDES["laser0.8_968w_300s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.8_481w_300s_lm0.1_full"],
-                                                       "samples": 968}
 
 
 def _one(job: dict, q) -> None:
