@@ -245,10 +245,8 @@ class TensorLLM(Method):
                 if reads_x:  # q/k/v: the layer's normed hidden state, through mode 1
                     s = whitening_factor(ctx.stats[roles[reads_x[0]]].gram, opts["damping"])
             fitted = tensor if s is None else whiten_mode(tensor, s, 0).float()
-            sw = opts["slice_weight"]  # each matrix's weight in the fit, on its mode-3 slots
-            sw = {r: sw[n.rpartition(".")[2]] for r, n in roles.items() if n.rpartition(".")[2] in sw} \
-                if isinstance(sw, dict) else sw
-            scale = slice_scales(fitted, 2, {r: (first[r], width[r]) for r in roles}, sw)
+            # each matrix's weight in the fit, on its mode-3 slots
+            scale = slice_scales(fitted, 2, {n: (first[r], width[r]) for r, n in roles.items()}, opts["slice_weight"])
             fitted = fitted * scale[:, None]
             original = sum(w.numel() for w in weights.values())
             ranks = tuple(opts["ranks"]) if opts["ranks"] else ranks_for_ratio(fitted, original, self._ratio(entry))

@@ -276,9 +276,7 @@ class Trawl(Method):
             fitted = whiten_mode(tensor, s, 2).float()
         else:
             fitted = tensor
-        sw = opts["slice_weight"]  # each matrix's weight in the fit (a dict names them by their last name part)
-        sw = {k: sw[k.rpartition(".")[2]] for k in plan if k.rpartition(".")[2] in sw} if isinstance(sw, dict) else sw
-        scale = slice_scales(fitted, 0, {k: (starts[k], plan[k][2]) for k in plan}, sw)
+        scale = slice_scales(fitted, 0, {k: (starts[k], plan[k][2]) for k in plan}, opts["slice_weight"])
         fitted = fitted * scale[:, None, None]
         original = sum(w.numel() for w in weights.values())
         ranks = self._ranks(entry, n, out_dim, in_dim, original, fitted)
