@@ -218,6 +218,12 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16_mix
 ROWS["trawl_attn0.8_group_balanced_bf16"] = {**ROWS["trawl_attn0.8_group_bf16"], "slice_weight": "balanced"}
 HEAL_OVERRIDES["trawl_attn0.8_group_balanced_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
 
+# the GPU rows again with what helped LASER on the CPU: lm_weight 0.1 and the matrices its allocation left whole
+# trained too (train="full"); otherwise as laser0.8_gpu_600s / laser0.6_gpu_600s (every window, 600 steps of 8)
+ROWS["laser0.8_gpu_600s_lm0.1_full"], ROWS["laser0.6_gpu_600s_lm0.1_full"] = ROWS["laser0.8"], ROWS["laser0.6"]
+HEAL_OVERRIDES["laser0.8_gpu_600s_lm0.1_full"] = HEAL_OVERRIDES["laser0.6_gpu_600s_lm0.1_full"] = {
+    **HEAL_OVERRIDES["laser0.8_gpu_600s"], "lm_weight": 0.1, "train": "full"}
+
 
 def _one(job: dict, q) -> None:
     import torch
