@@ -269,7 +269,10 @@ def main() -> None:
         "those), each layer keeping the same fraction: LASER whitened (uniform ranks), TensorLLM (K and V repeated "
         "per query head; `_group`: one slab per KV group, the library's default) and TRAWL Tucker (qkvo; K and V "
         "repeated per query head; `_group`: slices as tall as K, Q and O in n_rep slots each, the library's default), "
-        "data-free or with `whiten=True`.\n\n"
+        "data-free or with `whiten=True`; fc_trawl_whiten = TRAWL Tucker of the MLP (gate, up, down transposed), "
+        "whitened. TRAWL and TensorLLM rows fit the paper's unweighted tensor unless suffixed: `_kv0.3` / `_kv0.5`: "
+        "K's and V's slices weighted by that factor in the fit; `_balanced`: each matrix's slices scaled to one "
+        "norm (`slice_weight=\"balanced\"`, the library's default).\n\n"
         f"{md}\n")
     plot(rows, RESULTS / f"{NAME}.png")
     print(md)
