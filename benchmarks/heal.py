@@ -217,6 +217,11 @@ HEAL_OVERRIDES["qlr_bytes_0.27_b4568_act_rot_all_481w_150s_every4_lm0.1_bf16_mix
 # grouped TRAWL with slice_weight="balanced" (each matrix's whitened slices scaled to one norm before the fit)
 ROWS["trawl_attn0.8_group_balanced_bf16"] = {**ROWS["trawl_attn0.8_group_bf16"], "slice_weight": "balanced"}
 HEAL_OVERRIDES["trawl_attn0.8_group_balanced_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
+# 80 % of every linear with TRAWL on the attention: grouped, balanced TRAWL at 0.8 of q, k, v, o, calibrated LASER
+# at 0.8 of the MLP's, healed as laser0.8_bf16 (the TensorLLM row above in the same split, unweighted)
+ROWS["trawl0.8_attn_balanced_laser0.8_mlp_bf16"] = {"entries": [
+    ROWS["trawl_attn0.8_group_balanced_bf16"], {**ROWS["laser0.8"], "targets": ["mlp.*_proj"]}]}
+HEAL_OVERRIDES["trawl0.8_attn_balanced_laser0.8_mlp_bf16"] = HEAL_OVERRIDES["laser0.8_bf16"]
 
 # the GPU rows again with what helped LASER on the CPU: lm_weight 0.1 and the matrices its allocation left whole
 # trained too (train="full"); otherwise as laser0.8_gpu_600s / laser0.6_gpu_600s (every window, 600 steps of 8)
