@@ -110,13 +110,14 @@ def slice_scales(tensor: torch.Tensor, mode: int, spans: dict[str, tuple[int, in
 
     spans: {module name: (first index, count)} along `mode`; weight: None (all 1), ``"balanced"`` (each
     matrix 1 / the RMS norm of its slices, so a fit of the scaled tensor minimises the sum of the matrices'
-    squared relative errors) or {last part of a module name, e.g. "k_proj": w} (names absent weigh 1). Fit ``tensor * scale`` along
-    `mode`, then divide that mode's factor rows by the scale: the model's matrices are unchanged in form."""
+    squared relative errors) or {last part of a module name, e.g. "k_proj": w} (names absent weigh 1). Fit
+    ``tensor * scale`` along `mode`, then divide that mode's factor rows by the scale: the model's matrices are
+    unchanged in form."""
     scale = torch.ones(tensor.shape[mode], dtype=tensor.dtype, device=tensor.device)
     for name, (i, n) in spans.items():
         if weight == "balanced":
             part = tensor.narrow(mode, i, n).movedim(mode, 0)
             scale[i:i + n] = part.square().flatten(1).sum(1).mean().clamp_min(1e-30).rsqrt()
-        elif isinstance(weight, dict) and name.rpartition(".")[2] in weight:
-            scale[i:i + n] = weight[name.rpartition(".")[2]]
+        elif isinstance(weight, dict) and (short := name.rpartition(".")[2]) in weight:
+            scale[i:i + n] = weight[short]
     return scale
