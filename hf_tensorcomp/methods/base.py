@@ -59,6 +59,18 @@ def check_slice_weight(o: dict) -> None:
              "norm: the sum of relative errors) or a dict {matrix name: weight > 0}, e.g. {'k_proj': 0.3}")
 
 
+def check_stacked_options(o: dict, mode: str) -> None:
+    """The options TRAWL and TensorLLM share: the solver's, whitening `mode` (and its damping), the grouped-query
+    layout and the slices' weights."""
+    check_solver_options(o)
+    if not isinstance(o["whiten"], bool):
+        fail("whiten", o["whiten"], f"False | True (whiten {mode} by the Cholesky factor of XᵀX)")
+    if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
+        fail("damping", o["damping"], "a number in [0, 10]")
+    check_gqa(o)
+    check_slice_weight(o)
+
+
 def check_slice_names(o: dict, names) -> None:
     """Every name of a ``slice_weight`` dict is one of the group's matrices (`names`: their last name part)."""
     unknown = sorted(set(o["slice_weight"] if isinstance(o["slice_weight"], dict) else ()) - set(names))

@@ -53,8 +53,7 @@ from ..decompositions.allocation import multilinear_ranks
 from ..decompositions.cp_tucker import fit_core, slice_scales
 from ..decompositions.svd import unwhiten_factor, whiten_mode, whitening_factor
 from ..layers import HeadTuckerFactors, HeadTuckerProjection
-from .base import (Method, check_gqa, check_slice_names, check_slice_weight, check_solver_options, register_method,
-                   spec_fail)
+from .base import Method, check_slice_names, check_stacked_options, register_method, spec_fail
 
 ROLE_OF = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
 CONTAINER = "tensorllm_factors"
@@ -143,13 +142,7 @@ class TensorLLM(Method):
             if not is_number(o["ratio"]) or not o["ratio"] > 1:
                 fail("ratio", o["ratio"], "a number > 1 (original attention parameters / compressed)")
             o["ratio"] = float(o["ratio"])
-        check_solver_options(o)
-        if not isinstance(o["whiten"], bool):
-            fail("whiten", o["whiten"], "False | True (whiten the d_model mode by the Cholesky factor of XᵀX)")
-        if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
-            fail("damping", o["damping"], "a number in [0, 10]")
-        check_gqa(o)
-        check_slice_weight(o)
+        check_stacked_options(o, "the d_model mode")
         return o
 
     def needs(self, entry):

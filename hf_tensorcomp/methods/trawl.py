@@ -57,14 +57,13 @@ from __future__ import annotations
 
 import torch
 
-from ..validation import choices, fail, is_int, is_number
+from ..validation import choices, fail, is_int
 from ..decompositions import CP, Tucker, cp_als, relative_error, tucker_hooi
 from ..decompositions.allocation import multilinear_ranks
 from ..decompositions.cp_tucker import fit_core, slice_scales
 from ..decompositions.svd import unwhiten_factor, whiten_mode, whitening_factor
 from ..layers import SharedFactors, TensorSlice
-from .base import (Method, check_gqa, check_slice_names, check_slice_weight, check_solver_options, register_method,
-                   spec_fail)
+from .base import Method, check_slice_names, check_stacked_options, register_method, spec_fail
 
 DECOMPOSITIONS = ("cp", "tucker")
 GROUPS = {"qkvo": ("self_attn.*_proj",), "fc": ("mlp.*",)}
@@ -160,16 +159,10 @@ class Trawl(Method):
             fail("group", o["group"], choices(GROUPS))
         if o["formulation"] not in FORMULATIONS:
             fail("formulation", o["formulation"], choices(FORMULATIONS))
-        check_solver_options(o)
-        if not isinstance(o["whiten"], bool):
-            fail("whiten", o["whiten"], "False | True (whiten the shared input mode by the Cholesky factor of XᵀX)")
+        check_stacked_options(o, "the shared input mode")
         if o["whiten"] and o["formulation"] != "per_layer":
             fail("whiten", o["whiten"], "False with formulation="
                  f"{o['formulation']!r} (matrices of different layers read different inputs), or formulation='per_layer'")
-        if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
-            fail("damping", o["damping"], "a number in [0, 10]")
-        check_gqa(o)
-        check_slice_weight(o)
         return o
 
     def needs(self, entry):
