@@ -229,6 +229,11 @@ ROWS["laser0.8_gpu_600s_lm0.1_full"], ROWS["laser0.6_gpu_600s_lm0.1_full"] = ROW
 HEAL_OVERRIDES["laser0.8_gpu_600s_lm0.1_full"] = HEAL_OVERRIDES["laser0.6_gpu_600s_lm0.1_full"] = {
     **HEAL_OVERRIDES["laser0.8_gpu_600s"], "lm_weight": 0.1, "train": "full"}
 
+# the CPU's best LASER healing (every window, 300 steps of 4, lm_weight 0.1, train="full") on the library's default
+# calibration text (both corpora's calib splits: 968 windows), as laser0.8_bf16_mix otherwise
+ROWS["laser0.8_968w_300s_lm0.1_full_mix"] = ROWS["laser0.8_bf16_mix"]
+HEAL_OVERRIDES["laser0.8_968w_300s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.8_481w_300s_lm0.1_full"], "samples": 968}
+
 
 def _one(job: dict, q) -> None:
     import torch

@@ -181,6 +181,9 @@ ROWS["gptq3_search_act_rot_g64"] = {**ROWS["gptq3_search_act_rot"], "group_size"
 # and round to nearest in the same rotated basis (no calibration at all): how much of the 3-bit codes' loss on the
 # other corpus is GPTQ fitting the calibration text?
 ROWS["rtn3_search_rot"] = {**ROWS["gptq3_search_act_rot"], "quantizer": "rtn", "whiten": False, "act_order": False}
+# the 3-bit class on the default calibration text with 4x its windows (128 x 256 tokens, half from each corpus):
+# GPTQ's Gram and the measured allocation's KL both seen on more of each kind of text
+ROWS["qlr_bytes_0.21_measured_mix_c128"] = {**ROWS["qlr_bytes_0.21_measured_mix"], "calibration_samples": 128}
 
 
 def _linear_bytes(model) -> tuple[int, int]:
