@@ -140,6 +140,10 @@ def test_trawl_target_keeps_at_most_that_fraction(decomposition, target, tiny_di
     (dict(method="tensorllm", ratio=2, whiten=1, calibration="wikipedia"), "whiten"),
     (dict(method="trawl", target=1.5), "target"),
     (dict(method="trawl", target=0.5, rank=8), "target"),
+    *[(dict(method=m, **size, **bad), field) for m, size in (("trawl", {}), ("tensorllm", {"ratio": 2}))
+      for bad, field in (({"damping": -0.1}, "damping"), ({"damping": "1"}, "damping"), ({"gqa": "share"}, "gqa"),
+                         ({"slice_weight": {"k_proj": 0}}, "slice_weight"), ({"n_iter_max": 0}, "n_iter_max"),
+                         ({"init": "eye"}, "init"))],
 ])
 def test_bad_whitening_and_target_settings_name_the_field(cfg, field):
     with pytest.raises(ValueError, match=field):
