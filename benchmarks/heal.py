@@ -234,6 +234,10 @@ HEAL_OVERRIDES["laser0.8_gpu_600s_lm0.1_full"] = HEAL_OVERRIDES["laser0.6_gpu_60
 ROWS["laser0.8_968w_300s_lm0.1_full_mix"] = ROWS["laser0.8_bf16_mix"]
 HEAL_OVERRIDES["laser0.8_968w_300s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.8_481w_300s_lm0.1_full"], "samples": 968}
 
+# and LASER at 60 % so, 150 steps (as laser0.6_481w_150s_lm0.1_full, on both corpora's 968 windows)
+ROWS["laser0.6_968w_150s_lm0.1_full_mix"] = {**ROWS["laser0.6"], "calibration": "wikipedia+owt"}
+HEAL_OVERRIDES["laser0.6_968w_150s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.6_481w_150s_lm0.1_full"], "samples": 968}
+
 
 def _one(job: dict, q) -> None:
     import torch
