@@ -27,8 +27,13 @@ def register_method(cls):
     return cls
 
 
-def check_solver_options(o: dict) -> None:
-    """The iterative-solver options TRAWL and TensorLLM share (tensorly CP-ALS / HOOI)."""
+#: TRAWL's and TensorLLM's layouts for grouped-query attention: every weight once, or K and V per query head
+GQA_LAYOUTS = ("group", "repeat")
+
+
+def check_stacked_options(o: dict, mode: str) -> None:
+    """The options TRAWL and TensorLLM share: the iterative solver's (tensorly CP-ALS / HOOI), whitening `mode`
+    (and its damping), the grouped-query layout and the slices' weights (`slice_scales`)."""
     if not is_int(o["n_iter_max"], 1):
         fail("n_iter_max", o["n_iter_max"], "an int >= 1")
     if not is_number(o["tol"]) or not o["tol"] > 0:
@@ -37,38 +42,18 @@ def check_solver_options(o: dict) -> None:
         fail("init", o["init"], "'svd' | 'random'")
     if not is_int(o["seed"]):
         fail("seed", o["seed"], "an int")
-
-
-#: TRAWL's and TensorLLM's layouts for grouped-query attention: every weight once, or K and V per query head
-GQA_LAYOUTS = ("group", "repeat")
-
-
-def check_gqa(o: dict) -> None:
-    """The grouped-query layout option TRAWL and TensorLLM share."""
+    if not isinstance(o["whiten"], bool):
+        fail("whiten", o["whiten"], f"False | True (whiten {mode} by the Cholesky factor of XᵀX)")
+    if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
+        fail("damping", o["damping"], "a number in [0, 10]")
     if o["gqa"] not in GQA_LAYOUTS:
         fail("gqa", o["gqa"], " | ".join(map(repr, GQA_LAYOUTS))
              + " (every weight once, K and V beside their group's query heads; or K and V repeated per query head)")
-
-
-def check_slice_weight(o: dict) -> None:
-    """``slice_weight``, the weighted-fit option TRAWL and TensorLLM share (`slice_scales`)."""
     w = o["slice_weight"]
     if w is not None and w != "balanced" and not (isinstance(w, dict) and w and all(
             isinstance(k, str) and is_number(v) and 0 < v < float("inf") for k, v in w.items())):
         fail("slice_weight", w, "None (every matrix weighs 1), 'balanced' (each matrix's slices scaled to the same "
              "norm: the sum of relative errors) or a dict {matrix name: weight > 0}, e.g. {'k_proj': 0.3}")
-
-
-def check_stacked_options(o: dict, mode: str) -> None:
-    """The options TRAWL and TensorLLM share: the solver's, whitening `mode` (and its damping), the grouped-query
-    layout and the slices' weights."""
-    check_solver_options(o)
-    if not isinstance(o["whiten"], bool):
-        fail("whiten", o["whiten"], f"False | True (whiten {mode} by the Cholesky factor of XᵀX)")
-    if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
-        fail("damping", o["damping"], "a number in [0, 10]")
-    check_gqa(o)
-    check_slice_weight(o)
 
 
 def check_slice_names(o: dict, names) -> None:
