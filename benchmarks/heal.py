@@ -238,6 +238,10 @@ HEAL_OVERRIDES["laser0.8_968w_300s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.
 ROWS["laser0.6_968w_150s_lm0.1_full_mix"] = {**ROWS["laser0.6"], "calibration": "wikipedia+owt"}
 HEAL_OVERRIDES["laser0.6_968w_150s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.6_481w_150s_lm0.1_full"], "samples": 968}
 
+# Gemma-3 on the default calibration text: the 80 % row above with 200 steps (300 took Gemma-3 90 min on Wikipedia)
+ROWS["laser0.8_968w_200s_lm0.1_full_mix"] = ROWS["laser0.8_bf16_mix"]
+HEAL_OVERRIDES["laser0.8_968w_200s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.8_968w_300s_lm0.1_full_mix"], "steps": 200}
+
 
 def _one(job: dict, q) -> None:
     import torch

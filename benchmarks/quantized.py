@@ -477,6 +477,54 @@ def plot(rows: list[dict], path: Path) -> None:
                             label=f"{label} ({'Wikipedia' if corpus == 'wikipedia' else 'OpenWebText'})")
 
     ratio_plot(rows, path, draw)
+    plot_bits(rows, path.with_name(f"{path.stem}_bits.png"))
+
+
+# the byte budgets whose chosen widths are plotted: the 3-bit class and the default widths at 0.27 / 0.33 / 0.40
+BITS_ROWS = ("qlr_bytes_0.21_measured_mix_c128", "qlr_bytes_0.27_b4568_act_rot", "qlr_bytes_0.33_b4568_act_rot",
+             "qlr_bytes_0.40_b68_act_rot")
+
+
+def plot_bits(rows: list[dict], path: Path) -> None:
+    """What the byte budgets chose: per model, per budget and projection kind, the share of the matrices at each
+    width (stacked) and the mean correction rank (above the bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    picked = [r for r in rows if r["row"] in BITS_ROWS and r.get("by_kind")]
+    models = list(dict.fromkeys(r["model"] for r in picked))
+    if not models:
+        return
+    colours = dict(zip(BITS, plt.get_cmap("viridis")([i / (len(BITS) - 1) for i in range(len(BITS))])))
+    fig, axes = plt.subplots(len(models), 1, figsize=(12, 3.6 * len(models)), squeeze=False)
+    for ax, model in zip(axes[:, 0], models):
+        rs = sorted((r for r in picked if r["model"] == model), key=lambda r: r["linear_bytes"])
+        ticks, labels, x = [], [], 0.0
+        for r in rs:
+            for kind, k in r["by_kind"].items():
+                n, bottom = sum(k["bits"].values()), 0.0
+                for b in BITS:
+                    share = k["bits"].get(str(b), 0) / n
+                    if share:
+                        ax.bar(x, share, bottom=bottom, color=colours[b], width=0.8)
+                        bottom += share
+                ax.text(x, 1.02, f"{k['mean_rank']:g}", ha="center", fontsize=7)
+                ticks.append(x)
+                labels.append(kind.removesuffix("_proj"))
+                x += 1
+            ax.text(x - len(r["by_kind"]) / 2 - 0.5, 1.12, f"target_bytes={r['linear_bytes']:.2f}", ha="center")
+            x += 1
+        ax.set_xticks(ticks, labels, fontsize=8)
+        ax.set_ylim(0, 1.22)
+        ax.set_ylabel("share of matrices")
+        ax.set_title(f"{model}: widths chosen per projection kind (numbers: mean correction rank)", pad=18)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[b]) for b in BITS]
+    fig.legend(handles, [f"{b} bits" for b in BITS], loc="upper right", ncol=len(BITS))
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def header(cfg: dict) -> str:
