@@ -242,6 +242,13 @@ HEAL_OVERRIDES["laser0.6_968w_150s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.
 ROWS["laser0.8_968w_200s_lm0.1_full_mix"] = ROWS["laser0.8_bf16_mix"]
 HEAL_OVERRIDES["laser0.8_968w_200s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.8_968w_300s_lm0.1_full_mix"], "steps": 200}
 
+# does an allocation that crushes no matrix heal further? LASER at 80 % with every matrix at the same fraction
+# ("uniform") or ranked by relative output error ("relative") instead of the Fisher-weighted global budget, healed as
+# laser0.8_bf16_lm0.1_full (the default 100 steps, bfloat16, lm_weight 0.1, every decoder weight trained)
+for _a in ("uniform", "relative"):
+    ROWS[f"laser0.8_{_a}_bf16_lm0.1_full"] = {**ROWS["laser0.8"], "allocation": _a}
+    HEAL_OVERRIDES[f"laser0.8_{_a}_bf16_lm0.1_full"] = HEAL_OVERRIDES["laser0.8_bf16_lm0.1_full"]
+
 
 def _one(job: dict, q) -> None:
     import torch

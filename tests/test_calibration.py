@@ -278,3 +278,29 @@ def test_module_stats_move_their_sums_to_the_layers_device_and_keep_the_rows():
     for t in (st.gram, st.cross, st.abs_mean, st.fisher, st.weight_grad["weight"]):
         assert t.device.type == "meta"
     assert st.inputs.device.type == "cpu" and torch.equal(st.inputs, x)
+
+
+def test_relative_allocation_ignores_the_fisher_scale():
+    """allocation="relative" compares relative errors even when weighting="fisher" gathered the Fisher (for the
+    SVD): scaling the Fisher leaves its ladder unchanged, while the global rule's losses scale with it."""
+    from hf_tensorcomp.calibration.stats import ModuleStats
+    from hf_tensorcomp.methods.base import get_method
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(12, 10, bias=False)
+    lin.weight.data = torch.randn(10, 12, generator=g)
+    x = torch.randn(100, 12, generator=g) * torch.logspace(-1, 1, 12)
+    fisher = torch.rand(10, generator=g, dtype=torch.float64) + 0.1
+    laser = get_method("laser")
+    losses = {}
+    for allocation in ("global", "relative"):
+        entry = TensorCompressionConfig(method="laser", target=0.8, whiten=True, weighting="fisher",
+                                        allocation=allocation, calibration=["x"]).entries[0]
+        for scale in (1.0, 100.0):
+            st = ModuleStats({"gram"})
+            st.add(x)
+            st.fisher = fisher * scale
+            costs, losses[allocation, scale] = laser.ladder("m", lin, st, entry)
+    assert losses["relative", 1.0] == pytest.approx(losses["relative", 100.0])
+    assert losses["relative", 1.0][0] < 1.0 and losses["relative", 1.0][-1] == 0.0  # fractions of the whole
+    assert losses["global", 100.0][0] == pytest.approx(100.0 * losses["global", 1.0][0])

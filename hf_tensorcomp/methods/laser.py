@@ -19,8 +19,10 @@ layers before it left.
 ``target=<fraction>`` instead of ``rank``: the targeted matrices keep that fraction of their weight
 parameters in total. ``allocation="global"`` (default) ranks every matrix against every other by the
 (whitened, if whitening) truncation loss each rank saves per parameter, relative to the matrix's
-output energy, and may keep a matrix dense when factoring would not shrink it; ``"uniform"`` gives
-every matrix the same fraction.
+output energy (by the loss itself, ½ Fisher × squared output error, when the dense model's output Fisher is
+known), and may keep a matrix dense when factoring would not shrink it; ``"relative"`` compares relative
+(whitened, Fisher-weighted with ``weighting="fisher"``) errors instead; ``"uniform"`` gives every matrix the
+same fraction.
 """
 
 from __future__ import annotations
@@ -112,8 +114,9 @@ class Laser(Method):
     def ladder(self, name, module, stats, entry):
         d = self._output_weights(stats, entry)
         sv2 = whitened_spectrum(module.weight, self._scaling(stats, entry), d).pow(2)
-        # loss unit: the loss itself (½ Fisher x squared output error) when known, else the relative error
-        fisher = getattr(stats, "fisher", None)
+        # loss unit: the loss itself (½ Fisher x squared output error) when known and asked for (allocation="global"),
+        # else the relative error — weighting="fisher" gathers the Fisher for the SVD, not for the allocation
+        fisher = getattr(stats, "fisher", None) if entry.options["allocation"] == "global" else None
         if fisher is None:
             total = float(sv2.sum()) or 1.0
         else:
