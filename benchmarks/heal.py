@@ -240,7 +240,8 @@ HEAL_OVERRIDES["laser0.6_968w_150s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.
 
 # Gemma-3 on the default calibration text: the 80 % row above with 200 steps (300 took Gemma-3 90 min on Wikipedia)
 ROWS["laser0.8_968w_200s_lm0.1_full_mix"] = ROWS["laser0.8_bf16_mix"]
-HEAL_OVERRIDES["laser0.8_968w_200s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.8_968w_300s_lm0.1_full_mix"], "steps": 200}
+HEAL_OVERRIDES["laser0.8_968w_200s_lm0.1_full_mix"] = {**HEAL_OVERRIDES["laser0.8_968w_300s_lm0.1_full_mix"],
+                                                      "steps": 200}
 
 # does an allocation that crushes no matrix heal further? LASER at 80 % with every matrix at the same fraction
 # ("uniform") or ranked by relative output error ("relative") instead of the Fisher-weighted global budget, healed as
