@@ -250,6 +250,21 @@ for _a in ("uniform", "relative"):
     ROWS[f"laser0.8_{_a}_bf16_lm0.1_full"] = {**ROWS["laser0.8"], "allocation": _a}
     HEAL_OVERRIDES[f"laser0.8_{_a}_bf16_lm0.1_full"] = HEAL_OVERRIDES["laser0.8_bf16_lm0.1_full"]
 
+# LASER's pivoted storage (pivoted=True: r of V's columns the identity, r (in + out - r) numbers a matrix): the same
+# budget buys higher ranks. At 80 % on the default calibration text, healed as laser0.8_968w_200s_lm0.1_full_mix
+# (200 steps of 4 windows, bfloat16, lm_weight 0.1, every decoder weight trained); Gemma-3 with 100 steps
+ROWS["laser0.8_pivoted_968w_200s_lm0.1_full_mix"] = {**ROWS["laser0.8_bf16_mix"], "pivoted": True}
+HEAL_OVERRIDES["laser0.8_pivoted_968w_200s_lm0.1_full_mix"] = HEAL_OVERRIDES["laser0.8_968w_200s_lm0.1_full_mix"]
+ROWS["laser0.8_pivoted_968w_100s_lm0.1_full_mix"] = ROWS["laser0.8_pivoted_968w_200s_lm0.1_full_mix"]
+HEAL_OVERRIDES["laser0.8_pivoted_968w_100s_lm0.1_full_mix"] = {
+    **HEAL_OVERRIDES["laser0.8_968w_200s_lm0.1_full_mix"], "steps": 100}
+# the same storage on Wikipedia alone, healed as laser0.8_bf16_lm0.1_full (the default 100 steps), and at 60 % on the
+# default text healed as laser0.6_968w_150s_lm0.1_full_mix (150 steps)
+ROWS["laser0.8_pivoted_bf16_lm0.1_full"] = {**ROWS["laser0.8"], "pivoted": True}
+HEAL_OVERRIDES["laser0.8_pivoted_bf16_lm0.1_full"] = HEAL_OVERRIDES["laser0.8_bf16_lm0.1_full"]
+ROWS["laser0.6_pivoted_968w_150s_lm0.1_full_mix"] = {**ROWS["laser0.6_968w_150s_lm0.1_full_mix"], "pivoted": True}
+HEAL_OVERRIDES["laser0.6_pivoted_968w_150s_lm0.1_full_mix"] = HEAL_OVERRIDES["laser0.6_968w_150s_lm0.1_full_mix"]
+
 
 def _one(job: dict, q) -> None:
     import torch

@@ -68,6 +68,30 @@ def test_global_budget_is_met_exactly(target, tiny_dirs):
     assert len(set(ranks.values())) > 1  # not one rank for every matrix
 
 
+@pytest.mark.parametrize("allocation", ["global", "uniform"])
+def test_pivoted_budget_counts_stored_numbers_and_buys_rank(allocation, tiny_dirs, ids):
+    """With pivoted=True a rank-r matrix costs r (in + out - r): the budget holds on the stored parameters, every
+    matrix gets at least the rank of the plain form at the same target, and the model is closer to dense."""
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    kw = dict(method="laser", target=0.6, whiten=True, allocation=allocation, calibration=calib_ids())
+    plain, piv = load(tiny_dirs["llama"], **kw), load(tiny_dirs["llama"], pivoted=True, **kw)
+    _, layers = find_decoder_layers(piv)
+    kept = sum(p.numel() for n, p in layers.named_parameters() if n.endswith("weight") and "proj" in n)
+    targeted = sum(p.numel() for n, p in find_decoder_layers(dense)[1].named_parameters() if n.endswith("weight") and "proj" in n)
+    assert kept <= 0.6 * targeted
+    if allocation == "global":
+        assert kept == piv.config.quantization_config.stats["allocation"]["0"]["params_kept"]
+    ranks = [{n: s["rank"] for n, s in m.config.quantization_config.stats["modules"].items()} for m in (plain, piv)]
+    assert sum(ranks[1].values()) > sum(ranks[0].values())
+    if allocation == "uniform":
+        assert all(ranks[1][n] > ranks[0][n] for n in ranks[0])
+    pivoted = [m for m in piv.modules() if isinstance(m, LowRankLinear)]
+    assert pivoted and all(m.pivots is not None for m in pivoted)
+    with torch.no_grad():
+        ref = dense(ids).logits
+        assert rel_err(piv(ids).logits, ref) < rel_err(plain(ids).logits, ref)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("arch", ARCHS)
 def test_whitened_full_rank_is_exact(arch, tiny_dirs, ids):
@@ -172,6 +196,7 @@ def test_calibration_texts_windows_are_seeded_and_disjoint_from_eval():
     (dict(method="rotor", target=0.5, calibration="wikipedia"), "target"),  # a method without a budget
     (dict(method="laser", correct=True, calibration="wikipedia"), "correct"),
     (dict(method="laser", weighting="hessian", calibration="wikipedia"), "weighting"),
+    (dict(method="laser", pivoted="yes", target=0.5, calibration="wikipedia"), "pivoted"),
 ])
 def test_bad_calibration_settings_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=f"TensorCompressionConfig.{match}"):

@@ -119,6 +119,7 @@ def test_same_seed_same_healed_model(tiny_dirs):
 
 @pytest.mark.parametrize("kw", [{"method": "qlr", "rank": 4, "group_size": 16, "calibration": calib()},
                                 {"method": "laser", "rank": 4, "factor_bits": 4, "group_size": 16},
+                                {"method": "laser", "rank": 4, "pivoted": True},
                                 {"method": "tensorllm", "ratio": 2.0}])
 def test_healed_save_reload_identical_through_the_config(tiny_dirs, tmp_path, ids, kw):
     kw = {**kw, "calibration": calib(), "heal": {"steps": 10, "lr": 1e-3, "samples": 16, "length": 32, "eval_every": 5,

@@ -8,7 +8,7 @@ import hf_tensorcomp
 from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
 from hf_tensorcomp.decompositions import truncated_svd
 
-from tiny import ARCHS, rel_err
+from tiny import ARCHS, rel_err, reloads_identically
 
 
 def load(path, **cfg):
@@ -50,6 +50,42 @@ def test_truncated_svd_matches_eckart_young():
         assert err == pytest.approx(s[r:].pow(2).sum().sqrt().item(), rel=1e-4, abs=1e-4)
         errs.append(err)
     assert errs == sorted(errs, reverse=True) and errs[-1] < 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("shape", [(40, 30, 7), (12, 50, 11), (20, 20, 19)])
+def test_pivoted_form_is_the_same_product_with_fewer_numbers(shape):
+    out, inp, r = shape
+    g = torch.Generator().manual_seed(1)
+    u, v, b = torch.randn(out, r, generator=g), torch.randn(r, inp, generator=g), torch.randn(out, generator=g)
+    plain, piv = LowRankLinear.from_factors(u, v, b), LowRankLinear.pivoted_from_factors(u, v, b)
+    assert piv.weight.numel() == r * (inp + out - r) < plain.weight.numel()
+    assert sorted(piv.pivots.tolist()) == list(range(inp))  # a permutation of the inputs
+    assert torch.allclose(piv.v[:, piv.pivots[:r].long()], torch.eye(r))  # r columns of V are the identity
+    x = torch.randn(3, 5, inp, generator=g)
+    assert rel_err(piv(x), plain(x)) < 1e-5 and rel_err(piv.dense_weight(), u @ v) < 1e-5
+    # merging LoRA factors (append) leaves the plain form computing the sum; truncating gives the product back
+    a, c = torch.randn(out, 2, generator=g), torch.randn(2, inp, generator=g)
+    before = piv(x)
+    piv.append_factors(a, c)
+    assert piv.pivots is None and piv.rank == r + 2
+    assert rel_err(piv(x), before + x @ (a @ c).T) < 1e-5
+    piv.truncate(r)
+    assert rel_err(piv(x), before) < 1e-5
+    with pytest.raises(ValueError, match="LowRankLinear.rank"):
+        LowRankLinear(inp, out, min(inp, out), pivoted=True)
+
+
+def test_pivoted_model_saves_and_reloads(tiny_dirs, tmp_path, ids):
+    model = load(tiny_dirs["llama"], method="laser", rank=5, pivoted=True)
+    spec = model.config.quantization_config.stats["modules"]
+    assert spec and all(s["rank"] == 5 for s in spec.values())
+    again = reloads_identically(model, tmp_path / "piv", ids)
+    mods = [m for m in again.modules() if isinstance(m, LowRankLinear)]
+    assert len(mods) == 21 and all(m.pivots is not None and m.weight.shape[0] == 5 for m in mods)
+    plain = load(tiny_dirs["llama"], method="laser", rank=5)
+    with torch.no_grad():
+        assert rel_err(again(ids).logits, plain(ids).logits) < 1e-4  # the same rank-5 products
 
 
 def test_error_decreases_with_rank_and_stats_recorded(tiny_dirs, ids):

@@ -30,6 +30,8 @@ def sharded(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("kw", [dict(method="laser", rank=4),
                                 dict(method="laser", target=0.7, whiten=True, allocation="relative", calibration=CAL),
+                                dict(method="laser", target=0.7, whiten=True, allocation="relative", pivoted=True,
+                                     calibration=CAL),
                                 dict(method="qlr", rank=4, group_size=16, calibration=CAL),
                                 dict(method="tensorllm", ratio=2.0)])
 def test_streaming_gives_the_factors_of_in_memory_compression(sharded, tmp_path, arch, kw, ids):

@@ -23,6 +23,10 @@ output energy (by the loss itself, ½ Fisher × squared output error, when the d
 known), and may keep a matrix dense when factoring would not shrink it; ``"relative"`` compares relative
 (whitened, Fisher-weighted with ``weighting="fisher"``) errors instead; ``"uniform"`` gives every matrix the
 same fraction.
+
+``pivoted=True`` stores each factored matrix in `LowRankLinear`'s pivoted form (r of V's columns the identity,
+r (in + out - r) numbers instead of r (in + out): the same product, fewer parameters), and every budget — ``target``,
+the allocation's costs, when a matrix is kept dense — counts those numbers, so one budget buys higher ranks.
 """
 
 from __future__ import annotations
@@ -41,10 +45,23 @@ WHITEN = (False, True, "cholesky", "asvd")
 ALLOCATIONS = ("global", "relative", "uniform")
 
 
-def _break_even(lin) -> int:
+def _break_even(lin, pivoted: bool = False) -> int:
     """Smallest rank whose factors are not smaller than the dense matrix."""
     i, o = lin.in_features, lin.out_features
-    return math.ceil(i * o / (i + o))
+    return min(i, o) if pivoted else math.ceil(i * o / (i + o))
+
+
+def _cost(lin, r: int, pivoted: bool) -> int:
+    """Numbers stored at rank r: r (in + out), or r (in + out - r) in the pivoted form."""
+    return r * (lin.in_features + lin.out_features - (r if pivoted else 0))
+
+
+def _uniform_rank(lin, target: float, pivoted: bool) -> int:
+    """The largest rank (at least 1) whose `_cost` is at most `target` of the dense matrix's parameters."""
+    i, o, budget = lin.in_features, lin.out_features, target * lin.in_features * lin.out_features
+    if not pivoted:
+        return max(1, math.floor(budget / (i + o)))
+    return max(1, min(min(i, o), math.floor((i + o - math.sqrt(max((i + o) ** 2 - 4 * budget, 0.0))) / 2)))
 
 
 @register_method
@@ -56,7 +73,7 @@ class Laser(Method):
     layer_types = ("lowrank",)
     remedy = "another rank (a truncated SVD of a finite weight is never worse than zeros: check the weight)"
     option_defaults = {"whiten": False, "alpha": 0.5, "damping": 1e-4, "allocation": "global", "weighting": None,
-                       "correct": False}
+                       "correct": False, "pivoted": False}
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -72,6 +89,9 @@ class Laser(Method):
         if not isinstance(o["correct"], bool) or o["correct"] and o["whiten"] != "cholesky":
             fail("correct", o["correct"], "False, or True together with whiten=True (fit the dense outputs from the "
                  "compressed model's inputs: needs the input Gram)")
+        if not isinstance(o["pivoted"], bool):
+            fail("pivoted", o["pivoted"], "False | True (store r of V's columns as the identity: r (in + out - r) "
+                 "numbers a matrix instead of r (in + out))")
         if o["allocation"] not in ALLOCATIONS:
             fail("allocation", o["allocation"], choices(ALLOCATIONS))
         return o
@@ -122,22 +142,22 @@ class Laser(Method):
         else:
             total = 2.0 if d is not None else 2.0 / float(fisher.mean())
         tail = (sv2.flip(0).cumsum(0).flip(0) / total).tolist() + [0.0]  # tail[r] = loss at rank r
-        i, o = module.in_features, module.out_features
-        ranks = range(1, _break_even(module))
-        return [r * (i + o) for r in ranks] + [i * o], [tail[r] for r in ranks] + [0.0]
+        pivoted = entry.options["pivoted"]
+        ranks = range(1, _break_even(module, pivoted))
+        return [_cost(module, r, pivoted) for r in ranks] + [module.weight.numel()], [tail[r] for r in ranks] + [0.0]
 
     def compress(self, modules, entry, ctx):
-        out = {}
+        out, pivoted = {}, entry.options["pivoted"]
         for name, lin in modules.items():
             w = lin.weight
             if entry.target is None:
                 r = resolve_rank(entry.rank, min(w.shape))
             elif ctx.ranks is not None:
                 r = ctx.ranks[name] + 1
-                if r >= _break_even(lin):
+                if r >= _break_even(lin, pivoted):
                     continue  # the budget keeps this matrix dense
             else:  # uniform: every matrix keeps `target` of its parameters
-                r = max(1, math.floor(entry.target * w.numel() / sum(w.shape)))
+                r = _uniform_rank(lin, entry.target, pivoted)
             st = (ctx.stats or {}).get(name)
             s, d = self._scaling(st, entry), self._output_weights(st, entry) if st is not None else None
             if s is None and d is None:
@@ -152,6 +172,7 @@ class Laser(Method):
                 u, v, sv = whitened_svd(target, r, s, d)
                 sv2 = sv.pow(2)
                 extra = {"rel_output_error": round(float((sv2[r:].sum() / sv2.sum()).sqrt()), 6)} if s is not None and s.ndim == 2 and d is None else {}
-            out[name] = (LowRankLinear.from_factors(u, v, lin.bias, dtype=w.dtype),
+            build = LowRankLinear.pivoted_from_factors if pivoted and r < min(w.shape) else LowRankLinear.from_factors
+            out[name] = (build(u, v, lin.bias, dtype=w.dtype),
                          {"rank": r, "rel_error": relative_error(w, u @ v), **extra})
         return out
