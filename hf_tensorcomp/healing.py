@@ -435,6 +435,20 @@ def _source(model):
     return st.get("source") or getattr(model, "name_or_path", None) or None
 
 
+class TrainingForms:
+    """Every factored module of `root` in the parametrization healing trains (`FactorizedModule.training_form`:
+    LASER's pivoted factors as balanced plain ones) until `close` puts each back in its stored form — the trained
+    values (``keep``), or exactly the tensors it had."""
+
+    def __init__(self, root: nn.Module):
+        self.changed = [m for m in root.modules() if isinstance(m, FactorizedModule) and m.training_form()]
+
+    def close(self, keep: bool) -> None:
+        for m in self.changed:
+            m.storage_form(keep)
+        self.changed = []
+
+
 class LayerHealer:
     """Layer-wise healing, one decoder layer at a time: `targets` runs the dense layer ``li`` over the
     dense stream (its outputs: the layer's targets and the dense stream's next states), `heal` trains
@@ -548,12 +562,15 @@ class StreamHealer:
 
     def after(self, li: int) -> None:
         layer = self.layer_list[li]
+        forms, done = TrainingForms(layer), len(self.healer.layers)
         ids = {id(p) for p in trainable(layer, self.o["train"])}
         own = [p for p in layer.parameters() if id(p) in ids]
         self.params += sum(p.numel() for p in own)
         try:
             self.healer.heal(li, layer, own)
-        finally:  # trained scales back into their stored float16 buffers before the layer is written
+        finally:  # stored forms and trained scales (float16 buffers) back before the layer is written
+            healed = self.healer.layers[done:]
+            forms.close(keep=bool(healed) and healed[0]["mse_after"] < healed[0]["mse_before"])
             for m in layer.modules():
                 if isinstance(m, FactorizedModule):
                     m.train_scales(False)
@@ -628,10 +645,13 @@ def heal(model, teacher=None, calibration=DEFAULT_CALIBRATION, steps: int | None
     end-to-end loss on every `every`-th position only, the head run on those: for a large vocabulary, see
     `distill`).
     """
+    forms, report = TrainingForms(model), {}
     try:
-        return _heal(model, teacher, calibration, steps, tokenizer=tokenizer, progress=progress, _config=_config,
-                     **settings)
-    finally:  # train="scales" | "all": the trained scales back into their stored float16 buffers
+        report = _heal(model, teacher, calibration, steps, tokenizer=tokenizer, progress=progress, _config=_config,
+                       **settings)
+        return report
+    finally:  # each module back in its stored form; train="scales" | "all": the trained scales back into float16
+        forms.close(keep=report.get("improved", False))
         for m in model.modules():
             if isinstance(m, FactorizedModule):
                 m.train_scales(False)

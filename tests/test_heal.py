@@ -96,8 +96,9 @@ def test_layerwise_healing_lowers_each_layers_error_and_the_held_out_loss(tiny_d
     assert report["improved"] and report["held_out_kl_after"] < report["held_out_kl_before"]
 
 
-def test_no_improvement_leaves_the_weights_bit_identical(tiny_dirs):
-    model = compressed(tiny_dirs)
+@pytest.mark.parametrize("pivoted", [False, True])
+def test_no_improvement_leaves_the_weights_bit_identical(tiny_dirs, pivoted):
+    model = compressed(tiny_dirs, pivoted=pivoted)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.warns(UserWarning, match=r"did not lower the held-out loss \(KL to the dense model [0-9.e-]+ at the "
                                          r"start; step 5: [0-9.e+-]+\).*A smaller lr may help"):
@@ -106,6 +107,32 @@ def test_no_improvement_leaves_the_weights_bit_identical(tiny_dirs):
     assert report["held_out_kl_steps"][0] == [0, report["held_out_kl_before"]] and report["held_out_kl_steps"][1][0] == 5
     assert report["held_out_kl_steps"][1][1] >= report["held_out_kl_before"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_pivoted_factors_train_as_plain_ones_and_are_pivoted_again(tiny_dirs, ids, monkeypatch):
+    """Healing trains LASER's pivoted factors in the balanced plain form (the same product), then stores the result
+    pivoted again: the same rank and stored size, the healed function kept, the held-out loss lowered."""
+    from hf_tensorcomp.layers import LowRankLinear
+
+    model = compressed(tiny_dirs, rank=6, pivoted=True)
+    mods = [m for m in model.modules() if isinstance(m, LowRankLinear)]
+    shapes = [tuple(m.weight.shape) for m in mods]
+    seen = []
+    real = hf_tensorcomp.healing.distill
+
+    def spy(model_, *a, **kw):  # what healing trains: no pivoted factor left
+        seen.append([m.pivots is None and m.weight.shape[1] == m.in_features + m.out_features for m in mods])
+        out = real(model_, *a, **kw)
+        with torch.no_grad():
+            seen.append(model_(ids).logits)
+        return out
+
+    monkeypatch.setattr(hf_tensorcomp.healing, "distill", spy)
+    report = hf_tensorcomp.heal(model, steps=20, lr=3e-3, **SETTINGS)
+    assert all(seen[0]) and report["improved"]
+    assert [tuple(m.weight.shape) for m in mods] == shapes and all(m.pivots is not None for m in mods)
+    with torch.no_grad():  # the best iterate was the last scored one (step 20): pivoting it kept the function
+        assert report["best_step"] == 20 and torch.allclose(model(ids).logits, seen[1], atol=1e-4)
 
 
 def test_same_seed_same_healed_model(tiny_dirs):

@@ -84,6 +84,7 @@ HEAL = {"mode": "layerwise", "layer_steps": 8, "samples": 8, "batch_size": 2}
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("kw, heal", [
     (dict(method="laser", rank=1, calibration=CAL), {"lr": 1e-2}),  # no statistics: no calibration runner
+    (dict(method="laser", rank=1, pivoted=True, calibration=CAL), {"lr": 1e-2}),  # trained plain, stored pivoted
     # scales too; GPTQ in column order, unrotated, which leaves this tiny model something for healing to improve
     (dict(method="qlr", bits=2, rank=2, group_size=16, calibration=CAL, act_order=False, rotate=False),
      {"lr": 3e-3, "train": "all"}),

@@ -141,6 +141,15 @@ class FactorizedModule(nn.Module):
                 self.register_buffer(key, self._parameters.pop(key).detach().half())
         return out
 
+    def training_form(self) -> bool:
+        """Switch to the parametrization healing trains (the stored one by default: nothing to do); True when
+        it changed, and then `storage_form` must switch back."""
+        return False
+
+    def storage_form(self, keep: bool = True) -> None:
+        """Back to the stored form after `training_form`: the trained values (``keep``) or the tensors exactly
+        as they were before it."""
+
     def _apply(self, fn, recurse=True):
         """`nn.Module._apply` (``.to``, ``.half``, ``.cuda`` ...) keeping quantized factors' float16 scales as
         stored (a bfloat16 cast would round them) and de-quantizing to the module's new float dtype."""

@@ -130,6 +130,34 @@ class LowRankLinear(FactorizedModule):
             del self.pivots
             self.pivots = None
 
+    def training_form(self) -> bool:
+        """The pivoted form trains badly (T expresses the other columns through the pivot columns: a step of a
+        fraction of each entry moves a product of heavy cancellation much further than the plain factors, and
+        healing made SmolLM2 worse): healing trains the same product as balanced plain factors, U = Q_u X Σ^½,
+        V = Σ^½ Yᵀ Q_vᵀ (from the SVD of the r x r product of the factors' triangular parts), and
+        `storage_form` pivots the result again. A quantized pivoted factor stays as it is."""
+        if self.pivots is None or "weight" in self.__dict__.get("_qfactors", {}):
+            return False
+        qu, ru = torch.linalg.qr(self.u.detach().double())
+        qv, rv = torch.linalg.qr(self.v.detach().double().T)
+        x, s, yh = torch.linalg.svd(ru @ rv.T)
+        root = s.sqrt()
+        u, v = qu @ x * root, (root[:, None] * yh) @ qv.T
+        self.__dict__["_stored"] = (self.weight, self.pivots)
+        self.weight = nn.Parameter(torch.cat([v, u.T], dim=1).to(self.weight.dtype), requires_grad=self.weight.requires_grad)
+        self.pivots = None
+        return True
+
+    def storage_form(self, keep: bool = True) -> None:
+        weight, pivots = self.__dict__.pop("_stored", (None, None))
+        if weight is None:
+            return
+        if keep:
+            again = self.pivoted_from_factors(self.u.detach(), self.v.detach(), dtype=self.weight.dtype)
+            weight = nn.Parameter(again.weight.data, requires_grad=weight.requires_grad)
+            pivots = again.pivots.to(self.weight.device)
+        self.weight, self.pivots = weight, pivots
+
     def spec(self) -> dict:
         return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
                 "rank": self.rank, "bias": self.bias is not None, **({"pivoted": True} if self.pivots is not None else {})}
