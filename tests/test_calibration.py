@@ -77,7 +77,8 @@ def test_pivoted_budget_counts_stored_numbers_and_buys_rank(allocation, tiny_dir
     plain, piv = load(tiny_dirs["llama"], **kw), load(tiny_dirs["llama"], pivoted=True, **kw)
     _, layers = find_decoder_layers(piv)
     kept = sum(p.numel() for n, p in layers.named_parameters() if n.endswith("weight") and "proj" in n)
-    targeted = sum(p.numel() for n, p in find_decoder_layers(dense)[1].named_parameters() if n.endswith("weight") and "proj" in n)
+    targeted = sum(p.numel() for n, p in find_decoder_layers(dense)[1].named_parameters()
+                   if n.endswith("weight") and "proj" in n)
     assert kept <= 0.6 * targeted
     if allocation == "global":
         assert kept == piv.config.quantization_config.stats["allocation"]["0"]["params_kept"]

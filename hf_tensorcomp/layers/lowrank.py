@@ -144,7 +144,8 @@ class LowRankLinear(FactorizedModule):
         root = s.sqrt()
         u, v = qu @ x * root, (root[:, None] * yh) @ qv.T
         self.__dict__["_stored"] = (self.weight, self.pivots)
-        self.weight = nn.Parameter(torch.cat([v, u.T], dim=1).to(self.weight.dtype), requires_grad=self.weight.requires_grad)
+        self.weight = nn.Parameter(torch.cat([v, u.T], dim=1).to(self.weight.dtype),
+                                   requires_grad=self.weight.requires_grad)
         self.pivots = None
         return True
 
@@ -159,8 +160,9 @@ class LowRankLinear(FactorizedModule):
         self.weight, self.pivots = weight, pivots
 
     def spec(self) -> dict:
-        return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
-                "rank": self.rank, "bias": self.bias is not None, **({"pivoted": True} if self.pivots is not None else {})}
+        spec = {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
+                "rank": self.rank, "bias": self.bias is not None}
+        return {**spec, "pivoted": True} if self.pivots is not None else spec
 
     @classmethod
     def from_spec(cls, spec: dict, dtype=None, root=None) -> "LowRankLinear":
