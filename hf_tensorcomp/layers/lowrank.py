@@ -26,7 +26,8 @@ class LowRankLinear(FactorizedModule):
     ``weight[:, :in]`` is V (rank x in), ``weight[:, in:]`` is U transposed (rank x out). One tensor
     keeps the checkpoint small and plain, and its shape can never equal the dense ``(out, in)``
     (see `FactorizedModule`). The forward is two thin matmuls: 2 r (in + out) flops per token
-    instead of 2 in out, cheaper whenever r < in out / (in + out).
+    instead of 2 in out, cheaper whenever r < in out / (in + out). In the pivoted form ``weight`` is
+    ``(rank, in_features - rank + out_features)``: T (rank x (in - rank)), then U transposed.
     """
 
     layer_type = "lowrank"
@@ -108,7 +109,6 @@ class LowRankLinear(FactorizedModule):
     def dense_weight(self) -> torch.Tensor:
         return self.u @ self.v
 
-
     def append_factors(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """Add ``u @ v`` (u: out x k, v: k x in) exactly, by growing the rank by k (used to merge LoRA); the
         pivoted form becomes the plain one first."""
@@ -127,7 +127,6 @@ class LowRankLinear(FactorizedModule):
         if self.pivots is not None:
             plain = torch.cat([self.v, self.u.T], dim=1)
             self.weight = nn.Parameter(plain.detach(), requires_grad=self.weight.requires_grad)
-            del self.pivots
             self.pivots = None
 
     def training_form(self) -> bool:
@@ -156,7 +155,7 @@ class LowRankLinear(FactorizedModule):
         if keep:
             again = self.pivoted_from_factors(self.u.detach(), self.v.detach(), dtype=self.weight.dtype)
             weight = nn.Parameter(again.weight.data, requires_grad=weight.requires_grad)
-            pivots = again.pivots.to(self.weight.device)
+            pivots = again.pivots
         self.weight, self.pivots = weight, pivots
 
     def spec(self) -> dict:
