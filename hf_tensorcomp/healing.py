@@ -645,10 +645,11 @@ def heal(model, teacher=None, calibration=DEFAULT_CALIBRATION, steps: int | None
     end-to-end loss on every `every`-th position only, the head run on those: for a large vocabulary, see
     `distill`).
     """
+    o = validate_heal({**settings, **({"steps": steps} if steps is not None else {})})  # bad input: before any change
+    calibration = validate_calibration(calibration)
     forms, report = TrainingForms(model), {}
     try:
-        report = _heal(model, teacher, calibration, steps, tokenizer=tokenizer, progress=progress, _config=_config,
-                       **settings)
+        report = _heal(model, teacher, calibration, o, tokenizer=tokenizer, progress=progress, _config=_config)
         return report
     finally:  # each module back in its stored form; train="scales" | "all": the trained scales back into float16
         forms.close(keep=report.get("improved", False))
@@ -657,9 +658,7 @@ def heal(model, teacher=None, calibration=DEFAULT_CALIBRATION, steps: int | None
                 m.train_scales(False)
 
 
-def _heal(model, teacher, calibration, steps, *, tokenizer, progress, _config, **settings) -> dict:
-    o = validate_heal({**settings, **({"steps": steps} if steps is not None else {})})
-    calibration = validate_calibration(calibration)
+def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config) -> dict:
     t0 = time.perf_counter()
     params = trainable(model, o["train"])
     if not params:

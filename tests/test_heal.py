@@ -135,6 +135,20 @@ def test_pivoted_factors_train_as_plain_ones_and_are_pivoted_again(tiny_dirs, id
         assert report["best_step"] == 20 and torch.allclose(model(ids).logits, seen[1], atol=1e-4)
 
 
+@pytest.mark.parametrize("settings", [{"lr": -1.0}, {"steps": 0}, {"calibration": 7}])
+def test_bad_settings_are_refused_before_any_module_changes_form(tiny_dirs, settings, monkeypatch):
+    """A bad setting raises before healing touches the model: no pivoted factor is put in its training form."""
+    from hf_tensorcomp.layers import LowRankLinear
+
+    model = compressed(tiny_dirs, rank=6, pivoted=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    converted = []
+    monkeypatch.setattr(LowRankLinear, "training_form", lambda self: converted.append(self))
+    with pytest.raises((ValueError, TypeError), match=r"heal|calibration"):
+        hf_tensorcomp.heal(model, **{**SETTINGS, **settings})
+    assert converted == [] and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_same_seed_same_healed_model(tiny_dirs):
     runs = []
     for _ in range(2):
