@@ -135,7 +135,8 @@ def test_pivoted_factors_train_as_plain_ones_and_are_pivoted_again(tiny_dirs, id
         assert report["best_step"] == 20 and torch.allclose(model(ids).logits, seen[1], atol=1e-4)
 
 
-@pytest.mark.parametrize("settings, field", [({"lr": -1.0}, r"heal\.lr: got -1\.0"), ({"steps": 0}, r"heal\.steps: got 0"),
+@pytest.mark.parametrize("settings, field", [({"lr": -1.0}, r"heal\.lr: got -1\.0"),
+                                             ({"steps": 0}, r"heal\.steps: got 0"),
                                              ({"calibration": 7}, r"\.calibration: got 'int'")])
 def test_bad_settings_are_refused_before_any_module_changes_form(tiny_dirs, settings, field, monkeypatch):
     """A bad setting raises before healing touches the model: no pivoted factor is put in its training form."""
