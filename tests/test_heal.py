@@ -101,7 +101,7 @@ def test_no_improvement_leaves_the_weights_bit_identical(tiny_dirs, pivoted):
     model = compressed(tiny_dirs, pivoted=pivoted)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.warns(UserWarning, match=r"did not lower the held-out loss \(KL to the dense model [0-9.e-]+ at the "
-                                         r"start; step 5: [0-9.e+-]+\).*A smaller lr may help"):
+                                         r"start; step 5: [0-9.e+-]+\).*A smaller lr \(this run: 1;.*\) may help"):
         report = hf_tensorcomp.heal(model, steps=5, lr=1.0, **SETTINGS)  # a rate that only makes it worse
     assert not report["improved"] and report["held_out_kl_after"] == report["held_out_kl_before"]
     assert report["held_out_kl_steps"][0] == [0, report["held_out_kl_before"]] and report["held_out_kl_steps"][1][0] == 5
