@@ -712,8 +712,8 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
     if not report["improved"]:
         scored = ", ".join(f"step {step}: {kl:.4g}" for step, kl in report.get("held_out_kl_steps", [])[1:])
         warnings.warn(f"hf_tensorcomp: healing did not lower the held-out loss (KL to the dense model {kl0:.4g} at the "
-                      f"start{'; ' + scored if scored else ''}); the model is left exactly as it was. A smaller lr (this run: "
-                      f"{o['lr']:g}; a closed form already near dense may want about a third of it)"
+                      f"start{'; ' + scored if scored else ''}); the model is left exactly as it was. A smaller "
+                      f"lr (this run: {o['lr']:g}; a closed form already near dense may want about a third of it)"
                       + (" or lm_weight" if o["lm_weight"] else "") + " may help", stacklevel=2)
     cfg = _config if _config is not None else getattr(model.config, "quantization_config", None)
     if cfg is not None and hasattr(cfg, "stats"):
