@@ -280,7 +280,6 @@ HEAL_OVERRIDES["laser0.8_pivoted_481w_200s_lm0.1_full_lr3e-4"] = {
 ROWS["laser0.6_pivoted_968w_250s_lm0.5_full_mix"] = ROWS["laser0.6_pivoted_968w_150s_lm0.1_full_mix"]
 HEAL_OVERRIDES["laser0.6_pivoted_968w_250s_lm0.5_full_mix"] = {
     **HEAL_OVERRIDES["laser0.6_968w_150s_lm0.1_full_mix"], "steps": 250, "lm_weight": 0.5}
-
 # and with the language-model term at the KL's weight (1.0, chosen by the fourth 60-step trial benchmarks/README.md
 # quotes), twice the steps (500), the held-out slice scored every 100 steps; otherwise as the row above
 ROWS["laser0.6_pivoted_968w_500s_lm1.0_full_mix"] = ROWS["laser0.6_pivoted_968w_250s_lm0.5_full_mix"]
@@ -290,6 +289,7 @@ HEAL_OVERRIDES["laser0.6_pivoted_968w_500s_lm1.0_full_mix"] = {
 ROWS["laser0.6_pivoted_968w_100s_lm1.0_full_mix"] = ROWS["laser0.6_pivoted_968w_100s_lm0.1_full_mix"]
 HEAL_OVERRIDES["laser0.6_pivoted_968w_100s_lm1.0_full_mix"] = {
     **HEAL_OVERRIDES["laser0.6_pivoted_968w_100s_lm0.1_full_mix"], "lm_weight": 1.0}
+
 
 def _one(job: dict, q) -> None:
     import torch
