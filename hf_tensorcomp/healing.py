@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from pathlib import Path
@@ -166,6 +167,13 @@ def held_out_loss(student, teacher, ids: torch.Tensor, batch_size: int = 4) -> t
     return kl / n, math.exp(nll / (n - ids.shape[0]))
 
 
+def held_out_objective(kl: float, ppl: float, lm_weight: float = 0.0) -> float:
+    """The trained loss on the held-out windows: KL to the teacher + ``lm_weight`` x the language-model loss (log
+    perplexity). It picks the kept iterate and says whether healing helped; with a language-model term, the KL
+    alone would judge a loss that is not the one trained (it can rise while the trained loss still falls)."""
+    return kl + lm_weight * math.log(ppl)
+
+
 class RelativeSteps:
     """Train ``p = p₀ + δ ⊙ |p₀|`` through δ (from 0): Adam's steps then change each entry by a fraction of its own
     size (multiplicative updates; an entry at exactly zero stays there).
@@ -255,8 +263,8 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
     window (from its first), the head run on those alone (on a vocabulary of 262k the head costs more than
     the layers; the held-out scoring keeps every position). Every other parameter keeps its
     ``requires_grad``. With `held_out` (windows never trained on): scored before,
-    every ``eval_every`` steps and at the end, and the best iterate is what the student keeps (the
-    start, bit for bit, if no step improved on it); ``start``: the held-out (kl, ppl) of the student as
+    every ``eval_every`` steps and at the end, and the best iterate (by `held_out_objective`) is what the
+    student keeps (the start, bit for bit, if no step improved on it); ``start``: the held-out (kl, ppl) of the student as
     given, when the caller has scored it already (one pass over the held-out windows fewer).
 
     Returns {"losses": per step, "held_out": [(step, kl, ppl), ...] or [], "best_step": int or None}.
@@ -275,18 +283,19 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
     order: list[int] = []
     in_order = ids.split(batch_size)
     losses, scores = [], []
-    best = best_step = best_kl = None
+    best = best_step = best_value = None
     was_training = student.training
     device = next(student.parameters()).device
 
     def score(step, known=None):
-        nonlocal best, best_step, best_kl
+        nonlocal best, best_step, best_value
         student.eval()
         kl, ppl = known or held_out_loss(student, teacher, held_out, batch_size)
         student.train(train_mode)
         scores.append((step, kl, ppl))
-        if best_kl is None or kl < best_kl:
-            best, best_step, best_kl = [p.detach().clone() for p in params], step, kl
+        value = held_out_objective(kl, ppl, lm_weight)
+        if best_value is None or value < best_value:
+            best, best_step, best_value = [p.detach().clone() for p in params], step, value
 
     student.train(train_mode)
     try:
@@ -631,8 +640,9 @@ def heal(model, teacher=None, calibration=DEFAULT_CALIBRATION, steps: int | None
     teacher: the dense model (or its path); None: the model the compressed one was made from (its
     recorded source, reloaded). calibration: as in `TensorCompressionConfig` (a bundled text name —
     by default ``"wikipedia+owt"``, both bundled corpora —, texts, a Dataset, token ids); a held-out
-    slice of its windows (``held_out``) is never trained on and decides which iterate is kept; if the
-    held-out KL at the end is not below the start's, the model is put back bit for bit. ``mode``:
+    slice of its windows (``held_out``) is never trained on and decides which iterate is kept, by the trained
+    loss (`held_out_objective`: the KL, plus ``lm_weight`` x the log perplexity); if the kept iterate's is not
+    below the start's, the model is put back bit for bit. ``mode``:
     ``"e2e"`` (default: `distill` on the logits, ``steps``), ``"layerwise"`` (`heal_layerwise`,
     ``layer_steps`` per layer) or ``"both"`` (layer-wise, then end to end). Other settings:
     `HEAL_DEFAULTS` (``lr``, ``relative`` — steps relative to each entry's size,
@@ -695,13 +705,14 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
                 model.gradient_checkpointing_disable()
         report.update(loss_first=round(run["losses"][0], 6), loss_last=round(run["losses"][-1], 6),
                       best_step=run["best_step"],
-                      held_out_kl_steps=[[step, round(kl, 6)] for step, kl, _ in run["held_out"]])
+                      held_out_steps=[[step, round(kl, 6), round(ppl, 4)] for step, kl, ppl in run["held_out"]])
         report["tokens"] += o["steps"] * o["batch_size"] * int(train_ids.shape[1])
     if o["mode"] in ("e2e", "both"):  # the kept iterate is the best scored one: its scores, not a pass more
-        _, kl1, ppl1 = min(run["held_out"], key=lambda s: s[1])
+        _, kl1, ppl1 = next(s for s in run["held_out"] if s[0] == run["best_step"])
     else:
         kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"])
-    report["improved"] = kl1 < kl0
+    objective = functools.partial(held_out_objective, lm_weight=o["lm_weight"])
+    report["improved"] = objective(kl1, ppl1) < objective(kl0, ppl0)
     if not report["improved"]:  # no harm: the model exactly as it came
         with torch.no_grad():
             for p, b in zip(params, start):
@@ -710,8 +721,9 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
     report.update(held_out_kl_before=round(kl0, 6), held_out_kl_after=round(kl1, 6), held_out_ppl_before=round(ppl0, 4),
                   held_out_ppl_after=round(ppl1, 4), seconds=round(time.perf_counter() - t0, 1))
     if not report["improved"]:
-        scored = ", ".join(f"step {step}: {kl:.4g}" for step, kl in report.get("held_out_kl_steps", [])[1:])
-        warnings.warn(f"hf_tensorcomp: healing did not lower the held-out loss (KL to the dense model {kl0:.4g} at the "
+        scored = ", ".join(f"step {step}: {objective(kl, ppl):.4g}" for step, kl, ppl in report.get("held_out_steps", [])[1:])
+        what = "KL to the dense model" + (f" + {o['lm_weight']:g} x log perplexity" if o["lm_weight"] else "")
+        warnings.warn(f"hf_tensorcomp: healing did not lower the held-out loss ({what} {objective(kl0, ppl0):.4g} at the "
                       f"start{'; ' + scored if scored else ''}); the model is left exactly as it was. A smaller "
                       f"lr (this run: {o['lr']:g}; a closed form already near dense may want about a third of it)"
                       + (" or lm_weight" if o["lm_weight"] else "") + " may help", stacklevel=2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -34,9 +36,9 @@ def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs, precision):
     report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, precision=precision, **SETTINGS)  # teacher: the recorded dense source
     assert report["improved"] and report["held_out_kl_after"] < 0.9 * report["held_out_kl_before"]
     # the held-out scores along the way: the start, every eval_every steps, the end; the kept one is the best
-    assert [step for step, _ in report["held_out_kl_steps"]] == [0, 10, 20, 30, 40]
-    assert report["held_out_kl_steps"][0][1] == report["held_out_kl_before"]
-    assert report["held_out_kl_after"] == pytest.approx(min(kl for _, kl in report["held_out_kl_steps"]), abs=2e-6)
+    assert [step for step, _, _ in report["held_out_steps"]] == [0, 10, 20, 30, 40]
+    assert report["held_out_steps"][0][1:] == [report["held_out_kl_before"], report["held_out_ppl_before"]]
+    assert report["held_out_kl_after"] == pytest.approx(min(kl for _, kl, _ in report["held_out_steps"]), abs=2e-6)
     resolved = resolve_precision(precision, torch.device("cpu"))  # "auto": what this CPU multiplies natively
     assert model.config.quantization_config.stats["heal"] == report and report["precision"] == resolved
     assert resolved in ("float32", "bfloat16") and (precision == "auto" or resolved == precision)
@@ -104,9 +106,29 @@ def test_no_improvement_leaves_the_weights_bit_identical(tiny_dirs, pivoted):
                                          r"start; step 5: [0-9.e+-]+\).*A smaller lr \(this run: 1;.*\) may help"):
         report = hf_tensorcomp.heal(model, steps=5, lr=1.0, **SETTINGS)  # a rate that only makes it worse
     assert not report["improved"] and report["held_out_kl_after"] == report["held_out_kl_before"]
-    assert report["held_out_kl_steps"][0] == [0, report["held_out_kl_before"]] and report["held_out_kl_steps"][1][0] == 5
-    assert report["held_out_kl_steps"][1][1] >= report["held_out_kl_before"]
+    assert report["held_out_steps"][0][:2] == [0, report["held_out_kl_before"]] and report["held_out_steps"][1][0] == 5
+    assert report["held_out_steps"][1][1] >= report["held_out_kl_before"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("lm_weight, kept", [(0.0, 10), (1.0, 20)])
+def test_the_kept_iterate_is_the_best_by_the_loss_trained(tiny_dirs, monkeypatch, lm_weight, kept):
+    """With a language-model term the held-out KL alone is not the loss trained: scripted held-out scores where the
+    KL is lowest at step 10 and KL + log perplexity at step 20 keep step 10 without the term, step 20 with it."""
+    model = compressed(tiny_dirs)
+    script = iter([(1.0, math.exp(3.0)), (0.8, math.exp(2.5)), (0.9, math.exp(1.0))])  # steps 0, 10, 20
+    seen = []
+
+    def scripted(student, *a, **kw):
+        seen.append([p.detach().clone() for p in student.parameters()])
+        return next(script)
+
+    monkeypatch.setattr(hf_tensorcomp.healing, "held_out_loss", scripted)
+    report = hf_tensorcomp.heal(model, steps=20, lr=3e-3, lm_weight=lm_weight, **SETTINGS)
+    assert report["improved"] and report["best_step"] == kept and len(seen) == 3
+    assert [report["held_out_kl_after"], report["held_out_ppl_after"]] == report["held_out_steps"][kept // 10][1:]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), seen[kept // 10]))
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), seen[3 - kept // 10]))
 
 
 def test_pivoted_factors_train_as_plain_ones_and_are_pivoted_again(tiny_dirs, ids, monkeypatch):
