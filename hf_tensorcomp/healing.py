@@ -721,7 +721,8 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
     report.update(held_out_kl_before=round(kl0, 6), held_out_kl_after=round(kl1, 6), held_out_ppl_before=round(ppl0, 4),
                   held_out_ppl_after=round(ppl1, 4), seconds=round(time.perf_counter() - t0, 1))
     if not report["improved"]:
-        scored = ", ".join(f"step {step}: {objective(kl, ppl):.4g}" for step, kl, ppl in report.get("held_out_steps", [])[1:])
+        scored = ", ".join(f"step {step}: {objective(kl, ppl):.4g}"
+                           for step, kl, ppl in report.get("held_out_steps", [])[1:])
         what = "KL to the dense model" + (f" + {o['lm_weight']:g} x log perplexity" if o["lm_weight"] else "")
         warnings.warn(f"hf_tensorcomp: healing did not lower the held-out loss ({what} {objective(kl0, ppl0):.4g} at the "
                       f"start{'; ' + scored if scored else ''}); the model is left exactly as it was. A smaller "
