@@ -294,7 +294,7 @@ HEAL_OVERRIDES["laser0.6_pivoted_968w_100s_lm1.0_full_mix"] = {
 ROWS["laser0.6_pivoted_968w_600s_lm1.0_full_mix"] = ROWS["laser0.6_pivoted_968w_500s_lm1.0_full_mix"]
 HEAL_OVERRIDES["laser0.6_pivoted_968w_600s_lm1.0_full_mix"] = {
     **HEAL_OVERRIDES["laser0.6_pivoted_968w_500s_lm1.0_full_mix"], "steps": 600}
-# the pivoted 80 % on Wikipedia alone (1.6 % over the goal on OpenWebText) with 400 windows the dense teacher writes
+# the pivoted 80 % on Wikipedia alone (just over the goal on OpenWebText) with 400 windows the dense teacher writes
 # beside the 421 it trains on (text from the teacher trades in-domain for off-domain perplexity); otherwise the same
 ROWS["laser0.8_pivoted_481w_200s_lm0.1_full_lr3e-4_gen400"] = ROWS["laser0.8_pivoted_481w_200s_lm0.1_full_lr3e-4"]
 HEAL_OVERRIDES["laser0.8_pivoted_481w_200s_lm0.1_full_lr3e-4_gen400"] = {
