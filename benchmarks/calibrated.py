@@ -151,6 +151,8 @@ def _one(job: dict, q) -> None:
         method = fields.pop("method", "laser")
         if method != "trawl":
             fields.setdefault("targets", ["*_proj"])
+        if method == "laser":
+            fields.setdefault("pivoted", False)  # the plain storage these rows were measured in
         cfg = TensorCompressionConfig(
             method=method, target=job["target"], progress=False,
             calibration="wikipedia" if calibrate else None,

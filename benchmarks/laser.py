@@ -83,7 +83,7 @@ def run_model(name: str, max_tokens: int) -> list[dict]:
     n_layers = AutoModelForCausalLM.from_pretrained(path).config.num_hidden_layers
     for label, targets, layers in groups(n_layers):
         for r in RANKS:
-            cfg = dict(method="laser", rank=r, targets=targets, layers=layers, progress=False)
+            cfg = dict(method="laser", rank=r, targets=targets, layers=layers, pivoted=False, progress=False)
             t0 = time.perf_counter()
             fac = AutoModelForCausalLM.from_pretrained(path, quantization_config=TensorCompressionConfig(**cfg)).eval()
             load_s = time.perf_counter() - t0

@@ -396,6 +396,7 @@ def _one(job: dict, q) -> None:
             fields["embedding_group_size"] = job["group_size"]
         if fields["method"] == "laser":
             fields["targets"] = ["*_proj"]
+            fields.setdefault("pivoted", False)  # the plain storage these rows were measured in
         samples = fields.pop("calibration_samples", job["calibration_samples"])  # a row may set its own
         calibration = row_calibration(fields, row)  # and its own calibration text
         cfg = TensorCompressionConfig(progress=False, calibration=calibration, calibration_samples=samples,

@@ -31,6 +31,7 @@ from common import RESULTS, markdown_table, set_threads, write_json  # noqa: E40
 
 NAME = "scale"
 CFG = {"method": "laser", "target": 0.8, "whiten": True, "allocation": "relative", "targets": ["*_proj"],
+       "pivoted": False,
        "calibration": "wikipedia", "calibration_samples": 32, "calibration_length": 256}
 
 

@@ -93,8 +93,9 @@ def run_model(name: str, p: dict) -> list[dict]:
             sweep[layer, ratio] = point("sweep", layer, "tensorllm", tensorllm([layer], ratio=ratio), target_cr=ratio)
         for ratio in p["laser_ratios"]:
             r = max(1, sweep[layer, ratio]["params"] // per_rank)
-            point("vs_laser", layer, "laser", TensorCompressionConfig(method="laser", rank=r, targets=ATTN, layers=[layer],
-                                                                      progress=False), target_cr=ratio, laser_rank=r)
+            laser = TensorCompressionConfig(method="laser", rank=r, targets=ATTN, layers=[layer], pivoted=False,
+                                            progress=False)
+            point("vs_laser", layer, "laser", laser, target_cr=ratio, laser_rank=r)
     mid = p["layers"][name][len(p["layers"][name]) // 2]
     r1, r2, _ = sweep[mid, p["ablation_ratio"]]["ranks"]
     for t in ATTN:
@@ -112,7 +113,8 @@ def run_model(name: str, p: dict) -> list[dict]:
     stats = variants["tensorllm factorized"].config.quantization_config.stats["modules"]
     r = max(1, sum(st["params_compressed"] for st in stats.values() if "params_compressed" in st) // n_layers // per_rank)
     for mode in ("factorized", "dense"):
-        variants[f"laser {mode}"] = load(TensorCompressionConfig(method="laser", rank=r, targets=ATTN, mode=mode, progress=False))
+        variants[f"laser {mode}"] = load(TensorCompressionConfig(method="laser", rank=r, targets=ATTN, mode=mode,
+                                                                  pivoted=False, progress=False))
     timed = interleaved(variants, {"decode": lambda m: decode_tokens_per_s(m, tok, repeats=1),
                                    "prefill": lambda m: prefill_tokens_per_s(m, tok)})
     speed = {"model": name, "part": "speed", "method": "tok/s", "cr": p["speed_ratio"], "laser_rank": r, **timed}

@@ -43,7 +43,8 @@ def equal_budget(r: int, o: int, n: int) -> dict:
 
 def configs(layer: int, ranks: dict) -> dict[str, TensorCompressionConfig]:
     return {
-        "laser": TensorCompressionConfig(method="laser", rank=ranks["laser"], targets=["mlp.*_proj"], layers=[layer], progress=False),
+        "laser": TensorCompressionConfig(method="laser", rank=ranks["laser"], targets=["mlp.*_proj"], layers=[layer],
+                                         pivoted=False, progress=False),
         "trawl-cp": TensorCompressionConfig(method="trawl", decomposition="cp", group="fc", rank=ranks["cp"], layers=[layer],
                                             n_iter_max=50, slice_weight=None, progress=False),  # the paper's fit
         "trawl-tucker": TensorCompressionConfig(method="trawl", decomposition="tucker", group="fc", rank=ranks["tucker"],

@@ -70,11 +70,12 @@ def test_global_budget_is_met_exactly(target, tiny_dirs):
 
 @pytest.mark.parametrize("allocation", ["global", "uniform"])
 def test_pivoted_budget_counts_stored_numbers_and_buys_rank(allocation, tiny_dirs, ids):
-    """With pivoted=True a rank-r matrix costs r (in + out - r): the budget holds on the stored parameters, every
-    matrix gets at least the rank of the plain form at the same target, and the model is closer to dense."""
+    """With pivoted=True (the default) a rank-r matrix costs r (in + out - r): the budget holds on the stored
+    parameters, every matrix gets at least the rank of the plain form (pivoted=False) at the same target, and the
+    model is closer to dense."""
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
     kw = dict(method="laser", target=0.6, whiten=True, allocation=allocation, calibration=calib_ids())
-    plain, piv = load(tiny_dirs["llama"], **kw), load(tiny_dirs["llama"], pivoted=True, **kw)
+    plain, piv = load(tiny_dirs["llama"], pivoted=False, **kw), load(tiny_dirs["llama"], **kw)
     _, layers = find_decoder_layers(piv)
     kept = sum(p.numel() for n, p in layers.named_parameters() if n.endswith("weight") and "proj" in n)
     targeted = sum(p.numel() for n, p in find_decoder_layers(dense)[1].named_parameters()

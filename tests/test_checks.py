@@ -149,7 +149,7 @@ def laser_ckpt(tiny_dirs, tmp_path):
 @pytest.mark.parametrize("case, match", [
     ("missing", r"model\.layers\.0\.mlp\.up_proj\.weight: missing from the checkpoint"),
     ("unexpected", r"model\.layers\.0\.mlp\.up_proj\.lora_B: unexpected in the checkpoint"),
-    ("wrong_shape", r"model\.layers\.0\.mlp\.up_proj\.weight: the checkpoint holds shape \[3, 144\]"),
+    ("wrong_shape", r"model\.layers\.0\.mlp\.up_proj\.weight: the checkpoint holds shape \[3, 140\]"),
     ("nan", r"model\.layers\.0\.mlp\.up_proj\.weight: the checkpoint's factor holds NaN/Inf"),
     ("inf_bias_free", r"model\.layers\.1\.mlp\.down_proj\.weight: the checkpoint's factor holds NaN/Inf"),
 ])

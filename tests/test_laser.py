@@ -1,5 +1,7 @@
 """LASER through the quantizer: exactness, modes, dtypes, selection, closed-form error, bad input."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -7,6 +9,7 @@ from transformers import AutoModelForCausalLM
 import hf_tensorcomp
 from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
 from hf_tensorcomp.decompositions import truncated_svd
+from hf_tensorcomp.decompositions.rrqr import _greedy_pivots, pivot_order
 
 from tiny import ARCHS, rel_err, reloads_identically
 
@@ -76,16 +79,43 @@ def test_pivoted_form_is_the_same_product_with_fewer_numbers(shape):
         LowRankLinear(inp, out, min(inp, out), pivoted=True)
 
 
+@pytest.mark.parametrize("shape", [(6, 40), (40, 40), (25, 300), (50, 20)])
+def test_pivot_order_is_qr_with_column_pivoting(shape):
+    """The CPU path (LAPACK's geqp3) picks the greedy rule's columns — the largest residual norm first —, in order:
+    the rule the loop for other devices implements."""
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(*shape, generator=g, dtype=torch.float64) * torch.logspace(0, -2, shape[1], dtype=torch.float64)
+    k = min(shape)
+    got = pivot_order(a, k)
+    assert got == _greedy_pivots(a, k) and len(set(got)) == k
+    assert got[0] == int(a.norm(dim=0).argmax())
+    assert pivot_order(a.float(), k) == got  # any floating dtype
+
+
 def test_pivoted_model_saves_and_reloads(tiny_dirs, tmp_path, ids):
-    model = load(tiny_dirs["llama"], method="laser", rank=5, pivoted=True)
+    model = load(tiny_dirs["llama"], method="laser", rank=5)  # pivoted: the default
     spec = model.config.quantization_config.stats["modules"]
     assert spec and all(s["rank"] == 5 for s in spec.values())
     again = reloads_identically(model, tmp_path / "piv", ids)
     mods = [m for m in again.modules() if isinstance(m, LowRankLinear)]
     assert len(mods) == 21 and all(m.pivots is not None and m.weight.shape[0] == 5 for m in mods)
-    plain = load(tiny_dirs["llama"], method="laser", rank=5)
+    plain = load(tiny_dirs["llama"], method="laser", rank=5, pivoted=False)
+    assert all(m.pivots is None and m.weight.shape == (5, m.in_features + m.out_features)
+               for m in plain.modules() if isinstance(m, LowRankLinear))
     with torch.no_grad():
         assert rel_err(again(ids).logits, plain(ids).logits) < 1e-4  # the same rank-5 products
+    # a checkpoint written before the option existed (its entry without "pivoted") loads as it was made: plain
+    plain.save_pretrained(tmp_path / "old")
+    path = tmp_path / "old" / "config.json"
+    cfg = json.loads(path.read_text())
+    for entry in cfg["quantization_config"]["entries"]:
+        del entry["pivoted"]
+    path.write_text(json.dumps(cfg))
+    old = AutoModelForCausalLM.from_pretrained(tmp_path / "old")
+    assert old.config.quantization_config.entries[0].options["pivoted"] is False
+    assert all(m.pivots is None for m in old.modules() if isinstance(m, LowRankLinear))
+    with torch.no_grad():
+        assert torch.equal(old(ids).logits, plain(ids).logits)
 
 
 def test_error_decreases_with_rank_and_stats_recorded(tiny_dirs, ids):

@@ -234,19 +234,21 @@ def test_save_reload_identical_and_bytes_are_the_bytes_saved(tiny_dirs, tmp_path
         assert torch.equal(again(ids).logits, ref)
 
 
-def test_quantized_factors_shrink_laser_and_none_changes_nothing(tiny_dirs):
+@pytest.mark.parametrize("pivoted", [False, True])
+def test_quantized_factors_shrink_laser_and_none_changes_nothing(tiny_dirs, pivoted):
     plain = TensorCompressionConfig(method="laser", rank=8, progress=False)
     assert "factor_bits" not in plain.to_dict()["entries"][0]  # checkpoints of today stay byte-identical
     sizes = {}
     for bits in (None, 8, 4):
         m = AutoModelForCausalLM.from_pretrained(
-            tiny_dirs["llama"], quantization_config=TensorCompressionConfig(method="laser", rank=8, factor_bits=bits,
-                                                                            group_size=16, progress=False))
+            tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+                method="laser", rank=8, factor_bits=bits, group_size=16, pivoted=pivoted, progress=False))
         layer = m.model.layers[0].mlp.up_proj
         sizes[bits] = sum(b.numel() * b.element_size() for b in [*layer.parameters(), *layer.buffers()])
     r, i, o = 8, 48, 96
-    assert sizes[None] == r * (i + o) * 4
-    assert sizes[8] == stored_bytes((r, i + o), 8, 16) and sizes[4] == stored_bytes((r, i + o), 4, 16)
+    cols, order = (i - r + o, 4 * i) if pivoted else (i + o, 0)  # pivoted: T and U, and the int32 column order
+    assert sizes[None] == r * cols * 4 + order
+    assert sizes[8] == stored_bytes((r, cols), 8, 16) + order and sizes[4] == stored_bytes((r, cols), 4, 16) + order
 
 
 def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):

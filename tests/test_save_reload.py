@@ -49,13 +49,16 @@ def test_saved_tensors_are_factors(tiny_dirs, tmp_path):
     compress_and_save(tiny_dirs["llama"], tmp_path, rank=4, targets=["mlp.down_proj"], layers=[-1])
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    # down_proj is 96 -> 48: rank 4 stored as (4, 96 + 48); every other weight is dense
-    assert shapes["model.layers.2.mlp.down_proj.weight"] == (4, 144)
+    # down_proj is 96 -> 48: rank 4 stored pivoted (LASER's default) as (4, 96 - 4 + 48) and the int32 column order;
+    # every other weight is dense
+    assert shapes["model.layers.2.mlp.down_proj.weight"] == (4, 140)
+    assert shapes["model.layers.2.mlp.down_proj.pivots"] == (96,)
     assert shapes["model.layers.1.mlp.down_proj.weight"] == (48, 96)
     assert "lm_head.weight" not in shapes  # tied embeddings stay tied
     cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert cfg["compressed_modules"] == {
-        "model.layers.2.mlp.down_proj": {"layer": "lowrank", "in_features": 96, "out_features": 48, "rank": 4, "bias": False}
+        "model.layers.2.mlp.down_proj": {"layer": "lowrank", "in_features": 96, "out_features": 48, "rank": 4,
+                                         "bias": False, "pivoted": True}
     }
 
 
@@ -70,7 +73,7 @@ def test_reload_creates_no_dense_weight(tiny_dirs, tmp_path, monkeypatch):
     assert isinstance(m.model.layers[0].mlp.up_proj, LowRankLinear)
     # MLP dense weights are (96, 48) / (48, 96); attention's (48, 48) etc. legitimately load
     assert (96, 48) not in log.shapes and (48, 96) not in log.shapes
-    assert (4, 144) in log.shapes
+    assert (4, 140) in log.shapes  # down_proj's factors, pivoted
 
 
 def test_dense_mode_saves_ordinary_weights(tiny_dirs, tmp_path, ids):

@@ -17,7 +17,18 @@ import torch
 
 
 def pivot_order(r: torch.Tensor, k: int) -> list[int]:
-    """The first k pivots of QR with column pivoting: greedily the column of largest residual norm."""
+    """The first k pivots of QR with column pivoting: greedily the column of largest residual norm.
+
+    On the CPU LAPACK's ``geqp3`` does it (through scipy, which tensorly depends on): blocked, where the loop in
+    `_greedy_pivots` — the same rule, kept for tensors on other devices — sweeps the whole matrix once a pivot."""
+    if r.device.type == "cpu":
+        import scipy.linalg
+
+        return scipy.linalg.qr(r.detach().double().numpy(), mode="r", pivoting=True)[1][:k].tolist()
+    return _greedy_pivots(r, k)
+
+
+def _greedy_pivots(r: torch.Tensor, k: int) -> list[int]:
     y = r.clone()
     order: list[int] = []
     for _ in range(k):

@@ -64,16 +64,21 @@ class LowRankLinear(FactorizedModule):
 
     @classmethod
     def pivoted_from_factors(cls, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None, dtype=None):
-        """The pivoted form of ``u @ v`` (u: out x r, v: r x in, r < min(out, in)); exact up to rounding."""
+        """The pivoted form of ``u @ v`` (u: out x r, v: r x in, r < min(out, in)); exact up to rounding.
+
+        V's rows are made orthonormal first (Vᵀ = Q R, then u R' and Qᵀ: the same product), so the pivot block is
+        invertible even where V is rank-deficient (an all-zero weight) and as well conditioned as QR with column
+        pivoting makes it."""
         rank, n = v.shape
-        vd = v.double()
+        q, r = torch.linalg.qr(v.double().T)
+        vd, ud = q.T, u.double() @ r.T
         chosen = pivot_order(vd, rank)  # the columns QR with column pivoting picks first
         rest = sorted(set(range(n)) - set(chosen))
         block = vd[:, chosen]
         m = cls(n, u.shape[0], rank, bias=bias is not None, dtype=dtype or u.dtype, device=u.device, pivoted=True)
         with torch.no_grad():
             t = torch.linalg.solve(block, vd[:, rest])
-            m.weight.copy_(torch.cat([t, (u.double() @ block).T], dim=1).to(m.weight.dtype))
+            m.weight.copy_(torch.cat([t, (ud @ block).T], dim=1).to(m.weight.dtype))
             m.pivots.copy_(torch.tensor(chosen + rest, dtype=torch.int32))
             if bias is not None:
                 m.bias.copy_(bias.to(m.weight.dtype))

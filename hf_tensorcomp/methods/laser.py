@@ -24,9 +24,10 @@ known), and may keep a matrix dense when factoring would not shrink it; ``"relat
 (whitened, Fisher-weighted with ``weighting="fisher"``) errors instead; ``"uniform"`` gives every matrix the
 same fraction.
 
-``pivoted=True`` stores each factored matrix in `LowRankLinear`'s pivoted form (r of V's columns the identity,
-r (in + out - r) numbers instead of r (in + out): the same product, fewer parameters), and every budget — ``target``,
-the allocation's costs, when a matrix is kept dense — counts those numbers, so one budget buys higher ranks.
+``pivoted=True`` (the default) stores each factored matrix in `LowRankLinear`'s pivoted form (r of V's columns the
+identity, r (in + out - r) numbers instead of r (in + out): the same product, fewer parameters), and every budget —
+``target``, the allocation's costs, when a matrix is kept dense — counts those numbers, so one budget buys higher
+ranks; ``pivoted=False`` keeps both factors whole (the earlier default: a saved entry without the option loads so).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Laser(Method):
     layer_types = ("lowrank",)
     remedy = "another rank (a truncated SVD of a finite weight is never worse than zeros: check the weight)"
     option_defaults = {"whiten": False, "alpha": 0.5, "damping": 1e-4, "allocation": "global", "weighting": None,
-                       "correct": False, "pivoted": False}
+                       "correct": False, "pivoted": True}
+    saved_defaults = {"pivoted": False}  # checkpoints from before the option kept every factor plain
 
     def validate_options(self, options):
         o = super().validate_options(options)
