@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import hf_tensorcomp
-from hf_tensorcomp import TensorCompressionConfig
+from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
 from hf_tensorcomp.decompositions.quantize import (Int4Kernel, gptq_plan, int4_kernel_available, pack, quantize_gptq,
                                                   quantize_rtn, stored_bytes, unpack)
 from hf_tensorcomp.decompositions.svd import whitened_svd, whitening_factor
@@ -232,6 +232,14 @@ def test_save_reload_identical_and_bytes_are_the_bytes_saved(tiny_dirs, tmp_path
     again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert torch.equal(again(ids).logits, ref)
+
+
+def test_laser_pivots_by_default_except_with_4_bit_factors(tiny_dirs):
+    for bits, pivoted in ((None, True), (8, True), (4, False)):
+        m = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+            method="laser", rank=8, factor_bits=bits, group_size=16, progress=False))
+        assert m.config.quantization_config.entries[0].options["pivoted"] == "auto"
+        assert all((mod.pivots is not None) == pivoted for mod in m.modules() if isinstance(mod, LowRankLinear))
 
 
 @pytest.mark.parametrize("pivoted", [False, True])
