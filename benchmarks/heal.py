@@ -38,8 +38,10 @@ DEFAULTS = {
     "progress": False,  # progress bars (compression and healing) on stderr
 }
 ROWS = {
-    "laser0.8": {"method": "laser", "target": 0.8, "whiten": True, "weighting": "fisher", "targets": ["*_proj"], "pivoted": False},
-    "laser0.6": {"method": "laser", "target": 0.6, "whiten": True, "weighting": "fisher", "targets": ["*_proj"], "pivoted": False},
+    "laser0.8": {"method": "laser", "target": 0.8, "whiten": True, "weighting": "fisher", "targets": ["*_proj"],
+                 "pivoted": False},
+    "laser0.6": {"method": "laser", "target": 0.6, "whiten": True, "weighting": "fisher", "targets": ["*_proj"],
+                 "pivoted": False},
     "qlr_bytes_0.27": {"method": "qlr", "target_bytes": 0.27, "group_size": 128, "grid": "minmax", "act_order": False, "bit_choices": [2, 4, 8]},
     # the quantized benchmark's best allocation at int4's bytes (3-bit rungs, Fisher, searched ranges, GPTQ estimates)
     "qlr_bytes_0.27_b3": {"method": "qlr", "target_bytes": 0.27, "group_size": 128, "rounds": 1, "allocation": "fisher",
@@ -303,7 +305,8 @@ HEAL_OVERRIDES["laser0.8_pivoted_481w_200s_lm0.1_full_lr3e-4_gen400"] = {
 # and the Fisher-weighted budget see more text; the closed form starts nearer the dense model); otherwise the same
 ROWS["laser0.6_pivoted_128c_968w_500s_lm1.0_full_mix"] = {
     **ROWS["laser0.6_pivoted_968w_500s_lm1.0_full_mix"], "calibration_samples": 128}
-HEAL_OVERRIDES["laser0.6_pivoted_128c_968w_500s_lm1.0_full_mix"] = HEAL_OVERRIDES["laser0.6_pivoted_968w_500s_lm1.0_full_mix"]
+HEAL_OVERRIDES["laser0.6_pivoted_128c_968w_500s_lm1.0_full_mix"] = HEAL_OVERRIDES[
+    "laser0.6_pivoted_968w_500s_lm1.0_full_mix"]
 
 
 def _one(job: dict, q) -> None:
