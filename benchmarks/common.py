@@ -248,6 +248,15 @@ def row_calibration(fields: dict, row: dict) -> str:
     return calibration
 
 
+def row_samples(fields: dict, row: dict, job: dict) -> int:
+    """Pop a row's own calibration window count from its config fields (default: the job's) and record it in the
+    result row when it is not the default."""
+    samples = fields.pop("calibration_samples", job["calibration_samples"])
+    if samples != job["calibration_samples"]:
+        row["calibration_samples"] = samples
+    return samples
+
+
 def ppl_both(model, tok, max_tokens: int) -> dict:
     """Perplexity on the Wikipedia eval split and on OpenWebText's (512-token windows), outside inference
     mode (quanto's int4 weights fail there)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (RESULTS, bench_main, child_setup, markdown_table, per_model, ppl_both, ratio_plot,  # noqa: E402
-                    row_calibration, run_rows, wikihow)
+                    row_calibration, row_samples, run_rows, wikihow)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 from quantized import _linear_bytes  # noqa: E402
 
@@ -335,9 +335,7 @@ def _one(job: dict, q) -> None:
     else:
         fields = dict(ROWS[job["row"]])
         calibration = row_calibration(fields, row)  # a row may compress and heal on its own text
-        samples = fields.pop("calibration_samples", job["calibration_samples"])  # a row may compress on more windows
-        if samples != job["calibration_samples"]:
-            row["calibration_samples"] = samples
+        samples = row_samples(fields, row, job)  # a row may compress on more windows
         cfg = TensorCompressionConfig(progress=job["progress"], calibration=calibration, calibration_samples=samples,
                                       calibration_length=job["calibration_length"], **fields)
         t0 = time.perf_counter()

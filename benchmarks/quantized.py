@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model,  # noqa: E402
-                    ppl_both, ratio_plot, row_calibration, run_rows, wikihow)
+                    ppl_both, ratio_plot, row_calibration, row_samples, run_rows, wikihow)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
 NAME = "quantized"
@@ -397,7 +397,7 @@ def _one(job: dict, q) -> None:
         if fields["method"] == "laser":
             fields["targets"] = ["*_proj"]
             fields.setdefault("pivoted", False)  # the plain storage these rows were measured in
-        samples = fields.pop("calibration_samples", job["calibration_samples"])  # a row may set its own
+        samples = row_samples(fields, row, job)  # a row may set its own
         calibration = row_calibration(fields, row)  # and its own calibration text
         cfg = TensorCompressionConfig(progress=False, calibration=calibration, calibration_samples=samples,
                                       calibration_length=job["calibration_length"], **fields)
