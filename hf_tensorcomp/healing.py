@@ -137,34 +137,126 @@ def relative_mse(module: nn.Module, dense_linear, inputs: torch.Tensor, batch: i
 
 
 # ---------------------------------------------------------------------------------------- distillation
-def _log_probs(model, batch: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Next-token log-probabilities on the batch's device (a teacher given on another device runs on its own);
-    `keep`: at those positions only (the head runs on them alone; every position is still the others' context)."""
-    extra = {} if keep is None else {"logits_to_keep": keep.to(model.device)}
-    logits = model(input_ids=batch.to(model.device), use_cache=False, **extra).logits
-    return F.log_softmax(logits.float(), -1).to(batch.device)
+#: the float32 logits one chunk of the loss holds at a time (rows x vocabulary); 2**25 is 128 MB
+CHUNK_ELEMENTS = 2 ** 25
 
 
-def kl_to_teacher(student_lp: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
-    """KL(teacher ‖ student) per token, averaged over the tokens."""
-    return F.kl_div(student_lp.flatten(0, 1), teacher_lp.flatten(0, 1), log_target=True, reduction="batchmean")
+class LogitLoss:
+    """The distillation loss on the logits, a chunk of token rows at a time.
+
+    A causal LM is run as its body (the final hidden states) and its output head, split where transformers
+    splits it (the base model under ``base_model_prefix``, the output embeddings, Gemma's optional final
+    soft-cap), and the head, the log-softmaxes, the KL and the language-model term run on ``CHUNK_ELEMENTS``
+    of logits at a time; the student's gradient reaches its hidden states chunk by chunk and the body's
+    backward runs once. Why: on a large vocabulary the whole-logits loss was most of a step and of its memory
+    (Gemma-3's 262k tokens, 4 x 256 tokens, two threads: the float32 log-softmaxes and the KL of four
+    (1024 x 262k) tensors took ~8 s of a ~17 s step). The split is used only where it reproduces the
+    model's own logits on a short window (checked once); anything else — a model laid out otherwise, a
+    teacher given as a function — is read whole and only the loss is chunked."""
+
+    def __init__(self, model, probe: torch.Tensor):
+        self.model, self.split, self._cast = model, None, None
+        if not isinstance(model, nn.Module):
+            return  # a function batch -> log-probabilities
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        body = getattr(model, prefix, None) if prefix else None
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not isinstance(body, nn.Module) or body is model or not isinstance(head, nn.Module):
+            return
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        self.split = (body, head, cap)
+        probe, was = probe[:1, :8].to(model.device), model.training
+        model.eval()
+        with torch.no_grad():
+            whole = model(input_ids=probe, use_cache=False).logits
+            own = self.logits(self.hidden(probe))
+        model.train(was)
+        if whole.shape != own.shape or not torch.allclose(whole, own, rtol=1e-4, atol=1e-5):
+            self.split = None
+
+    def hidden(self, batch: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """What the head runs on at positions `keep` (all by default): the final hidden states, or the
+        model's logits (its log-probabilities for a function) where it is not split."""
+        batch = batch.to(self.model.device) if isinstance(self.model, nn.Module) else batch
+        if self.split is None:
+            if not isinstance(self.model, nn.Module):
+                out = self.model(batch)
+                return out if keep is None else out[:, keep.to(out.device)]
+            extra = {} if keep is None else {"logits_to_keep": keep.to(self.model.device)}
+            return self.model(input_ids=batch, use_cache=False, **extra).logits
+        h = self.split[0](input_ids=batch, use_cache=False)[0]  # the last hidden state
+        return h if keep is None else h[:, keep.to(h.device)]
+
+    def vocab(self, h: torch.Tensor) -> int:
+        return h.shape[-1] if self.split is None else self.split[1].weight.shape[0]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.split is None:
+            return h
+        _, head, cap = self.split
+        kind = h.device.type
+        frozen = not (head.weight.requires_grad and torch.is_grad_enabled())
+        if torch.is_autocast_enabled(kind) and type(head) is nn.Linear and frozen:
+            # autocast casts a weight that does not train (or a teacher's, under no_grad) again at every call: the
+            # tied 262k x 640 head cast per chunk took a sixth of a step; here once while the weight is unchanged
+            w, dtype = head.weight, torch.get_autocast_dtype(kind)
+            key = (w.data_ptr(), w._version, dtype)
+            if self._cast is None or self._cast[0] != key:
+                self._cast = (key, w.to(dtype), None if head.bias is None else head.bias.to(dtype))
+            z = F.linear(h.to(dtype), self._cast[1], self._cast[2])
+        else:
+            z = head(h)
+        return z if not cap else torch.tanh(z / cap) * cap
+
+    def log_probs(self, h: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.model, nn.Module):
+            return h.float()  # a function gives log-probabilities already
+        return F.log_softmax(self.logits(h).float(), -1)
+
+
+def chunked_losses(student: LogitLoss, teacher: LogitLoss, hs: torch.Tensor, ht: torch.Tensor, targets: torch.Tensor,
+                   scale: tuple[float, float] = (1.0, 1.0), backward: bool = False, precision: str = "float32",
+                   elements: int | None = None):
+    """(KL(teacher ‖ student) summed over the rows x scale[0], the student's NLL of `targets` (rows; -100: none)
+    summed x scale[1]) over the rows of the flattened hidden states `hs` / `ht`, ``elements`` (default
+    ``CHUNK_ELEMENTS``) of logits at a time; with ``backward``, each chunk's KL + NLL is back-propagated into ``hs`` (a leaf that requires grad)
+    and the head's parameters as it goes. Floats."""
+    kl = nll = 0.0
+    rows = max(1, (elements or CHUNK_ELEMENTS) // student.vocab(hs))
+    for start in range(0, hs.shape[0], rows):
+        with _autocast(hs.device, precision):
+            s = student.log_probs(hs[start: start + rows])
+            with torch.no_grad():
+                t = teacher.log_probs(ht[start: start + rows]).to(s.device)
+        k = F.kl_div(s, t, log_target=True, reduction="sum") * scale[0]
+        n = F.nll_loss(s, targets[start: start + rows].to(s.device), ignore_index=-100, reduction="sum") * scale[1]
+        if backward:
+            (k + n).backward()
+        kl, nll = kl + float(k.detach()), nll + float(n.detach())
+    return kl, nll
+
+
+def next_tokens(batch: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """The next token of each scored position, row by row as the hidden states flatten (-100 for the last
+    position, which has none)."""
+    nxt = torch.full((batch.shape[0], len(scored)), -100, dtype=torch.long, device=batch.device)
+    have = scored < batch.shape[1] - 1
+    nxt[:, have] = batch[:, scored[have].to(batch.device) + 1]
+    return nxt.flatten()
 
 
 @torch.no_grad()
 def held_out_loss(student, teacher, ids: torch.Tensor, batch_size: int = 4) -> tuple[float, float]:
     """(mean KL to the teacher per token, the student's perplexity) on the windows of `ids`."""
-    device = next(student.parameters()).device
+    s_loss, t_loss = LogitLoss(student, ids), LogitLoss(teacher, ids)
     kl = nll = 0.0
-    n = 0
+    every = torch.arange(ids.shape[1])
     for batch in ids.split(batch_size):
-        batch = batch.to(device)
-        s = _log_probs(student, batch)
-        t = teacher(batch) if not isinstance(teacher, nn.Module) else _log_probs(teacher, batch)
-        tokens = batch.shape[0] * batch.shape[1]
-        kl += float(kl_to_teacher(s, t)) * tokens
-        nll += float(F.nll_loss(s[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
-        n += tokens
-    return kl / n, math.exp(nll / (n - ids.shape[0]))
+        hs, ht = s_loss.hidden(batch).flatten(0, 1), t_loss.hidden(batch).flatten(0, 1)
+        k, n = chunked_losses(s_loss, t_loss, hs, ht, next_tokens(batch, every), elements=4 * CHUNK_ELEMENTS)
+        kl, nll = kl + k, nll + n
+    tokens = ids.shape[0] * ids.shape[1]
+    return kl / tokens, math.exp(nll / (tokens - ids.shape[0]))
 
 
 def held_out_objective(kl: float, ppl: float, lm_weight: float = 0.0) -> float:
@@ -212,15 +304,21 @@ class RelativeSteps:
         torch._foreach_copy_(self.params, step)
 
 
-def adam_step(opt: torch.optim.Optimizer, loss: torch.Tensor, relative: RelativeSteps | None = None) -> None:
-    """One optimizer step on `loss` (through `relative`'s δ when given)."""
+def adam_step(opt: torch.optim.Optimizer, loss, relative: RelativeSteps | None = None) -> float:
+    """One optimizer step on `loss` (through `relative`'s δ when given): a scalar tensor, or a function that runs
+    the backward itself and returns the loss. Returns the loss."""
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+        loss = loss.item()
+    else:
+        loss = loss()
     if relative is not None:
         relative.grads()
     opt.step()
     if relative is not None:
         relative.apply()
+    return loss
 
 
 PRECISIONS = ("auto", "float32", "bfloat16")
@@ -297,6 +395,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
         if best_value is None or value < best_value:
             best, best_step, best_value = [p.detach().clone() for p in params], step, value
 
+    s_loss, t_loss = LogitLoss(student, ids), LogitLoss(teacher, ids)
     student.train(train_mode)
     try:
         if held_out is not None:
@@ -314,16 +413,21 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
             keep = None if every == 1 else scored
             with _autocast(device, precision):
                 with torch.no_grad():
-                    t = (_log_probs(teacher, batch, keep) if isinstance(teacher, nn.Module)
-                         else teacher(batch) if keep is None else teacher(batch)[:, keep])
-                s = _log_probs(student, batch, keep)
-            loss = kl_to_teacher(s, t)
-            if lm_weight:  # the next token of each scored position (the last position has none)
-                at = scored[scored < batch.shape[1] - 1]
-                loss = loss + lm_weight * F.nll_loss(s[:, : len(at)].flatten(0, 1), batch[:, at + 1].flatten())
-            adam_step(opt, loss, steps_of)
+                    ht = t_loss.hidden(batch, keep).flatten(0, 1)
+                hs = s_loss.hidden(batch, keep)
+            targets = next_tokens(batch, scored)
+            scale = (1 / ht.shape[0], lm_weight / max(1, int((targets != -100).sum())))
+
+            def backward():  # the loss chunk by chunk into the hidden states, then the body's backward once
+                leaf = hs.detach().flatten(0, 1).requires_grad_()
+                kl, nll = chunked_losses(s_loss, t_loss, leaf, ht, targets, scale, backward=True, precision=precision)
+                if hs.requires_grad:
+                    hs.backward(leaf.grad.view_as(hs))
+                return kl + nll
+
+            loss = adam_step(opt, backward, steps_of)
             sched.step()
-            losses.append(loss.item())
+            losses.append(loss)
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
             if held_out is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
                 score(step + 1)

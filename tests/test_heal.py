@@ -81,11 +81,62 @@ def test_every_scores_every_kth_position_with_the_head_run_on_those_alone(tiny_d
         want += lm_weight * float(F.nll_loss(s[:, inner].flatten(0, 1), ids[:, inner + 1].flatten()))
     rows = []
     head = model.get_output_embeddings()
-    head.register_forward_hook(lambda mod, a, out: rows.append(a[0].shape[1]))
+    head.register_forward_hook(lambda mod, a, out: rows.append(a[0].shape[:-1].numel()))
     run = distill(model, teacher, ids, [p for p in model.parameters() if p.dim() == 1][:1], 1, lr=0.0, batch_size=2,
                   shuffle=False, every=3, lm_weight=lm_weight, progress=False)
     assert run["losses"][0] == pytest.approx(want, rel=1e-5)
-    assert rows == [len(at)]
+    assert rows[-1] == ids.shape[0] * len(at)  # the training step's head call (the calls before: the split's check)
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3_softcap", "unknown_head"])
+def test_the_chunked_loss_is_the_whole_logits_loss_with_the_same_gradients(tiny_dirs, monkeypatch, case):
+    """The loss on the logits a chunk of rows at a time (9 chunks here), the student's gradient reaching its
+    hidden states chunk by chunk: the same KL + language-model loss and the same gradient of every parameter
+    (tied embeddings included) as on the whole logits — through the body / head split for a Llama and for a
+    Gemma-3 with a final soft-cap, and on the model's own logits for a model whose head the split does not
+    reproduce (its logits doubled here)."""
+    import torch.nn.functional as F
+
+    from hf_tensorcomp import healing
+
+    arch = "gemma3" if case.startswith("gemma3") else "llama"
+    student, teacher = (AutoModelForCausalLM.from_pretrained(tiny_dirs[arch]).eval() for _ in range(2))
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    for m in (student, teacher):
+        if case == "gemma3_softcap":
+            m.config.final_logit_softcapping = 3.0
+        if case == "unknown_head":
+            def doubled(*a, _forward=m.forward, **k):
+                out = _forward(*a, **k)
+                out.logits = 2 * out.logits
+                return out
+            m.forward = doubled
+    ids = calib(n=3, length=20)
+    s = F.log_softmax(student(ids).logits.float(), -1)
+    with torch.no_grad():
+        t = F.log_softmax(teacher(ids).logits.float(), -1)
+    want = (F.kl_div(s.flatten(0, 1), t.flatten(0, 1), log_target=True, reduction="batchmean")
+            + 0.5 * F.nll_loss(s[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in student.named_parameters()}
+    student.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(healing, "CHUNK_ELEMENTS", VOCAB * 7)  # 7 rows a chunk: 60 rows in 9 chunks
+    s_loss, t_loss = healing.LogitLoss(student, ids), healing.LogitLoss(teacher, ids)
+    assert (s_loss.split is None) == (case == "unknown_head") and (t_loss.split is None) == (case == "unknown_head")
+    hs = s_loss.hidden(ids)
+    with torch.no_grad():
+        ht = t_loss.hidden(ids).flatten(0, 1)
+    leaf = hs.detach().flatten(0, 1).requires_grad_()
+    targets = healing.next_tokens(ids, torch.arange(20))
+    assert targets.tolist() == torch.cat([ids[:, 1:], torch.full((3, 1), -100)], 1).flatten().tolist()
+    kl, nll = healing.chunked_losses(s_loss, t_loss, leaf, ht, targets, (1 / 60, 0.5 / 57), backward=True)
+    hs.backward(leaf.grad.view_as(hs))
+    assert kl + nll == pytest.approx(float(want.detach()), rel=1e-5)
+    for n, p in student.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "both"])
