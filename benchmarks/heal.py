@@ -308,6 +308,12 @@ ROWS["laser0.6_pivoted_128c_968w_500s_lm1.0_full_mix"] = {
 HEAL_OVERRIDES["laser0.6_pivoted_128c_968w_500s_lm1.0_full_mix"] = HEAL_OVERRIDES[
     "laser0.6_pivoted_968w_500s_lm1.0_full_mix"]
 
+# Gemma-3 with the recipe that brought SmolLM2's 60 % under 1.5x (128 compression windows, lm_weight 1.0), 300 steps
+# of it (what two cores give in a session)
+ROWS["laser0.6_pivoted_128c_968w_300s_lm1.0_full_mix"] = ROWS["laser0.6_pivoted_128c_968w_500s_lm1.0_full_mix"]
+HEAL_OVERRIDES["laser0.6_pivoted_128c_968w_300s_lm1.0_full_mix"] = {
+    **HEAL_OVERRIDES["laser0.6_pivoted_128c_968w_500s_lm1.0_full_mix"], "steps": 300}
+
 
 def _one(job: dict, q) -> None:
     import torch
