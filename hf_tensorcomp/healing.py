@@ -156,7 +156,7 @@ class LogitLoss:
     as a function — is read whole and only the loss is chunked."""
 
     def __init__(self, model, probe: torch.Tensor):
-        self.model, self.split, self._cast = model, None, None
+        self.model, self.split, self._cast, self._vocab = model, None, None, None
         if not isinstance(model, nn.Module):
             return  # a function batch -> log-probabilities
         prefix = getattr(model, "base_model_prefix", "") or ""
@@ -174,6 +174,7 @@ class LogitLoss:
         model.train(was)
         if whole.shape != own.shape or not torch.allclose(whole, own, rtol=1e-4, atol=1e-5):
             self.split = None
+        self._vocab = whole.shape[-1]
 
     def hidden(self, batch: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """What the head runs on at positions `keep` (all by default): the final hidden states, or the
@@ -189,15 +190,15 @@ class LogitLoss:
         return h if keep is None else h[:, keep.to(h.device)]
 
     def vocab(self, h: torch.Tensor) -> int:
-        return h.shape[-1] if self.split is None else self.split[1].weight.shape[0]
+        return h.shape[-1] if self.split is None else self._vocab
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.split is None:
             return h
         _, head, cap = self.split
         kind = h.device.type
-        frozen = not (head.weight.requires_grad and torch.is_grad_enabled())
-        if torch.is_autocast_enabled(kind) and type(head) is nn.Linear and frozen:
+        plain = type(head) is nn.Linear  # (a quantized head, tied to a quantized embedding, has no weight of its own)
+        if plain and torch.is_autocast_enabled(kind) and not (head.weight.requires_grad and torch.is_grad_enabled()):
             # autocast casts a weight that does not train (or a teacher's, under no_grad) again at every call: the
             # tied 262k x 640 head cast per chunk took a sixth of a step; here once while the weight is unchanged
             w, dtype = head.weight, torch.get_autocast_dtype(kind)

@@ -88,19 +88,22 @@ def test_every_scores_every_kth_position_with_the_head_run_on_those_alone(tiny_d
     assert rows[-1] == ids.shape[0] * len(at)  # the training step's head call (the calls before: the split's check)
 
 
-@pytest.mark.parametrize("case", ["llama", "gemma3_softcap", "unknown_head"])
+@pytest.mark.parametrize("case", ["llama", "gemma3_softcap", "unknown_head", "quantized_head"])
 def test_the_chunked_loss_is_the_whole_logits_loss_with_the_same_gradients(tiny_dirs, monkeypatch, case):
     """The loss on the logits a chunk of rows at a time (9 chunks here), the student's gradient reaching its
     hidden states chunk by chunk: the same KL + language-model loss and the same gradient of every parameter
     (tied embeddings included) as on the whole logits — through the body / head split for a Llama and for a
     Gemma-3 with a final soft-cap, and on the model's own logits for a model whose head the split does not
-    reproduce (its logits doubled here)."""
+    reproduce (its logits doubled here); a student whose tied head and embedding are 8-bit codes as well."""
     import torch.nn.functional as F
 
     from hf_tensorcomp import healing
 
     arch = "gemma3" if case.startswith("gemma3") else "llama"
     student, teacher = (AutoModelForCausalLM.from_pretrained(tiny_dirs[arch]).eval() for _ in range(2))
+    if case == "quantized_head":
+        student = compressed(tiny_dirs, embedding_bits=8, embedding_group_size=16)
+        assert type(student.get_output_embeddings()).__name__ == "QuantizedHead"
     with torch.no_grad():
         for p in student.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
