@@ -248,9 +248,11 @@ def next_tokens(batch: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_out_loss(student, teacher, ids: torch.Tensor, batch_size: int = 4) -> tuple[float, float]:
-    """(mean KL to the teacher per token, the student's perplexity) on the windows of `ids`."""
-    s_loss, t_loss = LogitLoss(student, ids), LogitLoss(teacher, ids)
+def held_out_loss(student, teacher, ids: torch.Tensor, batch_size: int = 4,
+                  split: tuple[LogitLoss, LogitLoss] | None = None) -> tuple[float, float]:
+    """(mean KL to the teacher per token, the student's perplexity) on the windows of `ids`; `split`: the two
+    models' `LogitLoss` when the caller has them (`distill` scores many times: the split is checked once)."""
+    s_loss, t_loss = split or (LogitLoss(student, ids), LogitLoss(teacher, ids))
     kl = nll = 0.0
     every = torch.arange(ids.shape[1])
     for batch in ids.split(batch_size):
@@ -390,7 +392,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
     def score(step, known=None):
         nonlocal best, best_step, best_value
         student.eval()
-        kl, ppl = known or held_out_loss(student, teacher, held_out, batch_size)
+        kl, ppl = known or held_out_loss(student, teacher, held_out, batch_size, (s_loss, t_loss))
         student.train(train_mode)
         scores.append((step, kl, ppl))
         value = held_out_objective(kl, ppl, lm_weight)
