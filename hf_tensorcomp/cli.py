@@ -144,8 +144,10 @@ def cmd_compress(args) -> int:
     if args.peers and (args.no_eval or args.stream):
         raise ValueError("--peers: allowed: only with perplexity evaluation (no --no-eval, no --stream)")
     if args.peers:  # fails now, before any work, without optimum-quanto
+        from .eval.peers import import_quanto
+
         try:
-            import optimum.quanto  # noqa: F401
+            import_quanto()
         except ImportError:
             raise ValueError("--peers: optimum-quanto is not installed; allowed: pip install \"hf_tensorcomp[quanto]\", "
                              "or leave --peers out") from None

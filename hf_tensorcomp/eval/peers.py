@@ -22,14 +22,7 @@ def quanto_weight_only(model: nn.Module, bits: int) -> nn.Module:
     ("Cannot set version_counter for inference tensor"), and perplexity and generate use it."""
     if bits not in QUANTO_BITS:
         raise ValueError(f"quanto_weight_only: bits: got {bits!r}; allowed: 8 | 4")
-    # quanto imports torch's cpp_extension, which imports setuptools; in a process where the standard library's
-    # distutils was imported first, setuptools' distutils override then fails an assertion (seen once in the
-    # test suite): keep the standard library's, which quanto's CPU path never uses
-    os.environ.setdefault("SETUPTOOLS_USE_DISTUTILS", "stdlib")
-    try:
-        from optimum import quanto
-    except ImportError:
-        raise ImportError("the quanto peer needs optimum-quanto: pip install \"hf_tensorcomp[quanto]\"") from None
+    quanto = import_quanto()
     from ..plan import find_decoder_layers
 
     _, layers = find_decoder_layers(model)
@@ -37,6 +30,20 @@ def quanto_weight_only(model: nn.Module, bits: int) -> nn.Module:
     quanto.freeze(layers)
     without_inference_mode(model)
     return model
+
+
+def import_quanto():
+    """``optimum.quanto``, or an ImportError saying how to install it.
+
+    quanto imports torch's cpp_extension, which imports setuptools; in a process where the standard library's
+    distutils was imported first, setuptools' distutils override then fails an assertion (seen in full test runs,
+    from the CLI's ``--peers`` as from here): keep the standard library's, which quanto's CPU path never uses."""
+    os.environ.setdefault("SETUPTOOLS_USE_DISTUTILS", "stdlib")
+    try:
+        from optimum import quanto
+    except ImportError:
+        raise ImportError("the quanto peer needs optimum-quanto: pip install \"hf_tensorcomp[quanto]\"") from None
+    return quanto
 
 
 def without_inference_mode(model: nn.Module) -> None:
