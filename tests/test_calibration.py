@@ -232,37 +232,6 @@ def test_error_correction_exact_at_full_rank(tiny_dirs, ids):
     assert rel_err(full(ids).logits, dense(ids).logits) <= 1e-4
 
 
-def test_error_correction_is_judged_by_its_output_error():
-    """A corrected fit aims at W's dense outputs, not at W: here the dense inputs are 3x what the compressed model
-    feeds in, so the target is ~3 W and its rank-2 fit lies farther from W than zeros do, yet its outputs are close
-    to the dense ones — the check must judge it by that output error, not refuse it."""
-    from types import SimpleNamespace
-
-    from hf_tensorcomp.calibration.stats import ModuleStats
-    from hf_tensorcomp.checks import check_outputs
-    from hf_tensorcomp.config import Entry
-    from hf_tensorcomp.methods import get_method
-
-    g = torch.Generator().manual_seed(5)
-    lin = torch.nn.Linear(10, 16, bias=False)
-    with torch.no_grad():  # a matrix of low effective rank, so that rank 2 carries most of its outputs
-        lin.weight.copy_(torch.randn(16, 2, generator=g) @ torch.randn(2, 10, generator=g)
-                         + 0.05 * torch.randn(16, 10, generator=g))
-    x = torch.randn(400, 10, generator=g, dtype=torch.float64)
-    st = ModuleStats({"gram", "cross"})
-    st.add(x, dense_x=3 * x)
-    entry = Entry("laser", rank=2, whiten=True, correct=True, damping=0.0)
-    ctx = SimpleNamespace(stats={"0.mlp.up_proj": st}, ranks=None, prefix="model.layers")
-    result = get_method("laser").compress({"0.mlp.up_proj": lin}, entry, ctx)
-    module, stats = result["0.mlp.up_proj"]
-    assert stats["rel_error"] > 1.5  # ~3 W against W
-    with torch.no_grad():  # the fit's outputs, the dense model's
-        out = (module(x.float()).double(), 3 * x @ lin.weight.double().T)
-    measured = float(torch.linalg.norm(out[1] - out[0]) / torch.linalg.norm(out[1]))
-    assert stats["whitened_error"] == pytest.approx(measured, abs=1e-4) and measured < 0.1
-    check_outputs(result, {"0.mlp.up_proj": lin}, "model.layers", entry, "x")  # accepted: no error
-
-
 @torch.no_grad()
 def test_cross_statistics_pair_dense_and_compressed_inputs(tiny_dirs):
     """"cross" is X_denseᵀ X on the same tokens: the dense stream is carried beside the compressed one."""
