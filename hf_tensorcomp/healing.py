@@ -330,12 +330,19 @@ PRECISIONS = ("auto", "float32", "bfloat16")
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     """``"auto"``: ``"bfloat16"`` where the device multiplies bfloat16 natively (a CUDA device that supports
-    it; a CPU with AVX512-BF16 or AMX), else ``"float32"``; the others as they are."""
+    it; a CPU with AVX512-BF16 or AMX), else ``"float32"``; the others as they are (``"bfloat16"`` on a CPU
+    without native bfloat16 products warns: it is slower there than float32)."""
+    if device.type == "cuda":
+        return precision if precision != "auto" else "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    native = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    if precision == "bfloat16" and device.type == "cpu" and not native:
+        # PyTorch's fallback GEMM then multiplies bfloat16 (an AVX2 AMD EPYC, torch 2.13, two threads: a 1024 x 576
+        # by 576 x 1536 product 150 ms against 36 ms in float32; SmolLM2's layer-wise healing 230 s a layer)
+        warnings.warn("heal: precision='bfloat16' on a CPU without native bfloat16 products (AVX512-BF16 or AMX): the "
+                      "matrix products run PyTorch's fallback, several times slower than float32; precision='auto' "
+                      "picks float32 here", stacklevel=3)
     if precision != "auto":
         return precision
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    native = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
     return "bfloat16" if device.type == "cpu" and native else "float32"
 
 

@@ -45,6 +45,28 @@ def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs, precision):
     assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: the parameters stay float32
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_bfloat16_on_a_cpu_without_native_products_warns(monkeypatch, native):
+    """"auto" picks bfloat16 only where the CPU multiplies it natively; asked for elsewhere it runs (as asked) with
+    a warning that it is slower there than float32."""
+    import warnings
+
+    from hf_tensorcomp.healing import resolve_precision
+
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: native, raising=False)
+    cpu = torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these warns
+        assert resolve_precision("auto", cpu) == ("bfloat16" if native else "float32")
+        assert resolve_precision("float32", cpu) == "float32"
+        if native:
+            assert resolve_precision("bfloat16", cpu) == "bfloat16"
+    if not native:
+        with pytest.warns(UserWarning, match="without native bfloat16 products.*'auto' picks float32"):
+            assert resolve_precision("bfloat16", cpu) == "bfloat16"
+
+
 def test_bfloat16_healing_runs_the_products_in_bfloat16(tiny_dirs, monkeypatch):
     """The training forwards' matrix products see bfloat16 operands; the held-out scoring float32 ones."""
     import torch.nn.functional as F
