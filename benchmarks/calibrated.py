@@ -91,13 +91,9 @@ def _bf16_bytes(model) -> int:
 
 def _quanto(model, bits: int) -> int:
     """Weight-only quantize the decoder linears with optimum-quanto; returns the model's bytes."""
-    from optimum.quanto import freeze, qint4, qint8, quantize
+    from hf_tensorcomp.eval.peers import quanto_weight_only
 
-    from hf_tensorcomp.plan import find_decoder_layers
-
-    _, layers = find_decoder_layers(model)
-    quantize(layers, weights={8: qint8, 4: qint4}[bits])
-    freeze(layers)
+    quanto_weight_only(model, bits)
     total = 0
     for p in model.parameters():  # each tensor once (tied embeddings are one tensor)
         if type(p).__name__.startswith(("QTensor", "WeightQBits", "QBits", "QBytes")) or hasattr(p, "_data"):

@@ -15,7 +15,7 @@ import torch
 from hf_tensorcomp.assets import load_text
 from hf_tensorcomp.eval import perplexity
 from hf_tensorcomp.eval.peers import stored_bytes as state_bytes  # noqa: F401  (re-exported for the benchmarks)
-from hf_tensorcomp.eval.peers import without_inference_mode as _without_inference_mode  # noqa: F401
+from hf_tensorcomp.eval.peers import import_quanto, without_inference_mode
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -47,15 +47,13 @@ WEIGHT_ONLY = {"int8 weight-only (quanto)": "qint8", "int4 weight-only (quanto)"
 def weight_only_peers(load_dense, tok, max_tokens: int) -> list[dict]:
     """Rows for the weight-only peers: params, honest bytes (quantized weights, scales, shifts and the
     unquantized rest), perplexity and decode speed. ``load_dense()`` gives a fresh dense fp32 model."""
-    from optimum import quanto
-
-    rows = []
+    quanto, rows = import_quanto(), []
     for variant, qtype in WEIGHT_ONLY.items():
         model = load_dense()
         params = model.num_parameters()
         quanto.quantize(model, weights=getattr(quanto, qtype), exclude=["lm_head"])  # lm_head: tied to the embeddings
         quanto.freeze(model)
-        _without_inference_mode(model)
+        without_inference_mode(model)
         rows.append({"variant": variant, "params": params, "bytes": state_bytes(model), "ppl": ppl(model, tok, max_tokens),
                      "tok_s": decode_tokens_per_s(model, tok)})
         print(rows[-1], flush=True)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, interleaved,  # noqa: E402
+from common import (bench_main, child_setup, decode_tokens_per_s, interleaved,  # noqa: E402
                     markdown_table, per_model, set_threads, thread_count)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
@@ -73,7 +73,7 @@ def _build(job: dict, path, label: str, dtype, compressed: dict):
 
     from hf_tensorcomp import TensorCompressionConfig
     from hf_tensorcomp.layers.qlr import share_input_rotations
-    from quantized import _quanto
+    from hf_tensorcomp.eval.peers import quanto_weight_only
 
     if label in ROWS:
         if label not in compressed:
@@ -92,8 +92,7 @@ def _build(job: dict, path, label: str, dtype, compressed: dict):
         return compressed[label].to(dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     if label == "quanto_int4":
-        _quanto(model, 4)
-        _without_inference_mode(model)  # quanto's int4 weights fail under inference mode
+        quanto_weight_only(model, 4)  # its forward outside inference mode (quanto's int4 weights fail in it)
     return model
 
 

@@ -36,9 +36,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (_without_inference_mode, bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model,  # noqa: E402
-                    ppl_both, ratio_plot, row_calibration, row_samples, run_rows, wikihow)
+from common import (bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model, ppl_both,  # noqa: E402
+                    ratio_plot, row_calibration, row_samples, run_rows, wikihow)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
+from hf_tensorcomp.eval.peers import quanto_weight_only  # noqa: E402
 
 NAME = "quantized"
 DEFAULTS = {
@@ -260,16 +261,6 @@ def _tensor_bytes(t) -> int:
     return t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
 
 
-def _quanto(model, bits: int) -> None:
-    from optimum.quanto import freeze, qint4, qint8, quantize
-
-    from hf_tensorcomp.plan import find_decoder_layers
-
-    _, layers = find_decoder_layers(model)
-    quantize(layers, weights={8: qint8, 4: qint4}[bits])
-    freeze(layers)
-
-
 def _torchao_int8(model) -> None:
     """torchao's int8 weight-only quantization (one scale per output row) of every decoder-layer linear."""
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -386,8 +377,7 @@ def _one(job: dict, q) -> None:
         if job["row"] == "torchao_int8":
             _torchao_int8(model)
         elif job["row"] != "dense":
-            _quanto(model, int(job["row"][-1]))
-            _without_inference_mode(model)  # quanto's int4 weights fail under inference mode
+            quanto_weight_only(model, int(job["row"][-1]))  # its forward outside inference mode (int4 fails in it)
     else:
         fields = dict(ROWS[job["row"]])
         if fields["method"] == "qlr" or "factor_bits" in fields:
