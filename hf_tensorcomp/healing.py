@@ -249,14 +249,20 @@ def next_tokens(batch: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def held_out_loss(student, teacher, ids: torch.Tensor, batch_size: int = 4,
-                  split: tuple[LogitLoss, LogitLoss] | None = None) -> tuple[float, float]:
+                  split: tuple[LogitLoss, LogitLoss] | None = None, cache: list | None = None) -> tuple[float, float]:
     """(mean KL to the teacher per token, the student's perplexity) on the windows of `ids`; `split`: the two
-    models' `LogitLoss` when the caller has them (`distill` scores many times: the split is checked once)."""
+    models' `LogitLoss` when the caller has them (`distill` scores many times: the split is checked once);
+    `cache`: a list the teacher's final hidden states of `ids` are kept in (filled on the first call, read on
+    the next: the teacher does not change, so each scoring after the first runs the teacher's head alone —
+    where the teacher is split; a teacher read whole, whose cache would be logits, is run again)."""
     s_loss, t_loss = split or (LogitLoss(student, ids), LogitLoss(teacher, ids))
     kl = nll = 0.0
     every = torch.arange(ids.shape[1])
-    for batch in ids.split(batch_size):
-        hs, ht = s_loss.hidden(batch).flatten(0, 1), t_loss.hidden(batch).flatten(0, 1)
+    keep = cache is not None and t_loss.split is not None
+    for i, batch in enumerate(ids.split(batch_size)):
+        if keep and len(cache) <= i:
+            cache.append(t_loss.hidden(batch).flatten(0, 1))
+        hs, ht = s_loss.hidden(batch).flatten(0, 1), cache[i] if keep else t_loss.hidden(batch).flatten(0, 1)
         k, n = chunked_losses(s_loss, t_loss, hs, ht, next_tokens(batch, every), elements=4 * CHUNK_ELEMENTS)
         kl, nll = kl + k, nll + n
     tokens = ids.shape[0] * ids.shape[1]
@@ -359,7 +365,8 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
             seed: int = 0, warmup: float = 0.1, schedule: bool = True, shuffle: bool = True, lm_weight: float = 0.0,
             held_out: torch.Tensor | None = None, eval_every: int = 25, train_mode: bool = False, relative: bool = False,
             precision: str = "float32", every: int = 1, progress: bool = True,
-            desc: str = "hf_tensorcomp: distillation", start: tuple[float, float] | None = None) -> dict:
+            desc: str = "hf_tensorcomp: distillation", start: tuple[float, float] | None = None,
+            held_out_cache: list | None = None) -> dict:
     """Train `params` of `student` toward `teacher`'s next-token distributions on the windows of `ids`.
 
     teacher: a model, or a function ``batch -> log-probabilities`` (e.g. the student with its dense
@@ -374,7 +381,8 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
     ``requires_grad``. With `held_out` (windows never trained on): scored before,
     every ``eval_every`` steps and at the end, and the best iterate (by `held_out_objective`) is what the
     student keeps (the start, bit for bit, if no step improved on it); ``start``: the held-out (kl, ppl) of the student as
-    given, when the caller has scored it already (one pass over the held-out windows fewer).
+    given, when the caller has scored it already (one pass over the held-out windows fewer); ``held_out_cache``:
+    the teacher's hidden states of the held-out windows, kept between scorings (`held_out_loss`'s ``cache``).
 
     Returns {"losses": per step, "held_out": [(step, kl, ppl), ...] or [], "best_step": int or None}.
     """
@@ -399,7 +407,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
     def score(step, known=None):
         nonlocal best, best_step, best_value
         student.eval()
-        kl, ppl = known or held_out_loss(student, teacher, held_out, batch_size, (s_loss, t_loss))
+        kl, ppl = known or held_out_loss(student, teacher, held_out, batch_size, (s_loss, t_loss), cache)
         student.train(train_mode)
         scores.append((step, kl, ppl))
         value = held_out_objective(kl, ppl, lm_weight)
@@ -407,6 +415,7 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
             best, best_step, best_value = [p.detach().clone() for p in params], step, value
 
     s_loss, t_loss = LogitLoss(student, ids), LogitLoss(teacher, ids)
+    cache = [] if held_out_cache is None else held_out_cache
     student.train(train_mode)
     try:
         if held_out is not None:
@@ -793,7 +802,8 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
     start = [p.detach().clone() for p in params]
     model.eval()
     o["precision"] = resolve_precision(o["precision"], next(model.parameters()).device)
-    kl0, ppl0 = held_out_loss(model, dense, held, o["batch_size"])
+    cache: list = []  # the dense model's hidden states of the held-out windows, computed once
+    kl0, ppl0 = held_out_loss(model, dense, held, o["batch_size"], cache=cache)
     report = {"mode": o["mode"], "steps": o["steps"], "train": o["train"], "params_trained": sum(p.numel() for p in params),
               "lr": o["lr"], "relative": o["relative"], "precision": o["precision"], "tokens": 0,
               **({"every": o["every"]} if o["every"] > 1 else {}), **({"lm_weight": o["lm_weight"]} if o["lm_weight"] else {})}
@@ -814,7 +824,8 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
             run = distill(model, dense, train_ids, params, o["steps"], lr=o["lr"], batch_size=o["batch_size"],
                           seed=o["seed"], lm_weight=o["lm_weight"], held_out=held, eval_every=o["eval_every"],
                           relative=o["relative"], precision=o["precision"], every=o["every"], progress=progress,
-                          desc="hf_tensorcomp: healing", start=(kl0, ppl0) if o["mode"] == "e2e" else None)
+                          desc="hf_tensorcomp: healing", start=(kl0, ppl0) if o["mode"] == "e2e" else None,
+                          held_out_cache=cache)
         finally:
             if checkpointing:
                 model.gradient_checkpointing_disable()
@@ -825,7 +836,7 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
     if o["mode"] in ("e2e", "both"):  # the kept iterate is the best scored one: its scores, not a pass more
         _, kl1, ppl1 = next(s for s in run["held_out"] if s[0] == run["best_step"])
     else:
-        kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"])
+        kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"], cache=cache)
     objective = functools.partial(held_out_objective, lm_weight=o["lm_weight"])
     report["improved"] = objective(kl1, ppl1) < objective(kl0, ppl0)
     if not report["improved"]:  # no harm: the model exactly as it came

@@ -45,6 +45,30 @@ def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs, precision):
     assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: the parameters stay float32
 
 
+def test_the_teachers_held_out_states_are_computed_once(tiny_dirs):
+    """Scoring the held-out windows again runs the teacher's head alone on its cached hidden states: the same
+    scores bit for bit as without the cache, the teacher's body run once per window batch; a teacher given as a
+    function (log-probabilities, nothing to split) is run again and nothing is cached."""
+    import torch.nn.functional as F
+
+    from hf_tensorcomp.healing import held_out_loss
+
+    model = compressed(tiny_dirs)
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    ids, calls = calib(n=10), []  # batches of 4, 4 and 2 windows
+    teacher.model.register_forward_hook(lambda *a: calls.append(1))
+    plain = held_out_loss(model, teacher, ids, 4)
+    assert len(calls) == 2 + 3  # the split's check on a probe (the whole model, then its body), a batch each
+    cache = []
+    first = held_out_loss(model, teacher, ids, 4, cache=cache)
+    assert len(calls) == 2 * 5 and len(cache) == 3
+    again = held_out_loss(model, teacher, ids, 4, cache=cache)
+    assert len(calls) == 2 * 5 + 2 and plain == first == again  # the probe's check only
+    function, cache = [], []
+    as_function = held_out_loss(model, lambda b: F.log_softmax(teacher(b).logits, -1), ids, 4, cache=cache)
+    assert cache == [] and as_function == pytest.approx(plain, rel=1e-5)
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_bfloat16_on_a_cpu_without_native_products_warns(monkeypatch, native):
     """"auto" picks bfloat16 only where the CPU multiplies it natively; asked for elsewhere it runs (as asked) with
