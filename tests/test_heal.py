@@ -64,7 +64,7 @@ def test_the_teachers_held_out_states_are_computed_once(tiny_dirs):
     assert len(calls) == 2 * 5 and len(cache) == 3
     again = held_out_loss(model, teacher, ids, 4, cache=cache)
     assert len(calls) == 2 * 5 + 2 and plain == first == again  # the probe's check only
-    function, cache = [], []
+    cache = []
     as_function = held_out_loss(model, lambda b: F.log_softmax(teacher(b).logits, -1), ids, 4, cache=cache)
     assert cache == [] and as_function == pytest.approx(plain, rel=1e-5)
 
