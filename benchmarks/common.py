@@ -15,7 +15,7 @@ import torch
 from hf_tensorcomp.assets import load_text
 from hf_tensorcomp.eval import perplexity
 from hf_tensorcomp.eval.peers import stored_bytes as state_bytes  # noqa: F401  (re-exported for the benchmarks)
-from hf_tensorcomp.eval.peers import import_quanto, without_inference_mode
+from hf_tensorcomp.eval.peers import quanto_weight_only
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -41,19 +41,17 @@ def ppl(model, tok, max_tokens: int, context_length: int = 512) -> float:
 
 #: weight-only quantization peers: optimum-quanto int8 (per output channel) and int4 (groups of 128),
 #: every decoder-layer nn.Linear; activations stay in float (unlike torch's dynamic int8)
-WEIGHT_ONLY = {"int8 weight-only (quanto)": "qint8", "int4 weight-only (quanto)": "qint4"}
+WEIGHT_ONLY = {"int8 weight-only (quanto)": 8, "int4 weight-only (quanto)": 4}
 
 
 def weight_only_peers(load_dense, tok, max_tokens: int) -> list[dict]:
     """Rows for the weight-only peers: params, honest bytes (quantized weights, scales, shifts and the
     unquantized rest), perplexity and decode speed. ``load_dense()`` gives a fresh dense fp32 model."""
-    quanto, rows = import_quanto(), []
-    for variant, qtype in WEIGHT_ONLY.items():
+    rows = []
+    for variant, bits in WEIGHT_ONLY.items():
         model = load_dense()
         params = model.num_parameters()
-        quanto.quantize(model, weights=getattr(quanto, qtype), exclude=["lm_head"])  # lm_head: tied to the embeddings
-        quanto.freeze(model)
-        without_inference_mode(model)
+        quanto_weight_only(model, bits)  # lm_head stays: tied to the embeddings
         rows.append({"variant": variant, "params": params, "bytes": state_bytes(model), "ppl": ppl(model, tok, max_tokens),
                      "tok_s": decode_tokens_per_s(model, tok)})
         print(rows[-1], flush=True)

@@ -253,7 +253,7 @@ def held_out_loss(student, teacher, ids: torch.Tensor, batch_size: int = 4,
     """(mean KL to the teacher per token, the student's perplexity) on the windows of `ids`; `split`: the two
     models' `LogitLoss` when the caller has them (`distill` scores many times: the split is checked once);
     `cache`: a list the teacher's final hidden states of `ids` are kept in (filled on the first call, read on
-    the next: the teacher does not change, so each scoring after the first runs the teacher's head alone —
+    the next with the same `ids` and `batch_size`: the teacher does not change, so each scoring after the first runs the teacher's head alone —
     where the teacher is split; a teacher read whole, whose cache would be logits, is run again)."""
     s_loss, t_loss = split or (LogitLoss(student, ids), LogitLoss(teacher, ids))
     kl = nll = 0.0
