@@ -326,6 +326,12 @@ ROWS["laser0.8_pivoted_128c_481w_100s_lm1.0_full_lr3e-4"] = ROWS["laser0.8_pivot
 HEAL_OVERRIDES["laser0.8_pivoted_128c_481w_100s_lm1.0_full_lr3e-4"] = {
     **HEAL_OVERRIDES["laser0.8_pivoted_128c_481w_300s_lm1.0_full_lr3e-4"], "steps": 100}
 
+# Gemma-3's pivoted 80 % on the default text (1.125x / 1.147x, the row that meets the 20 % goal) run again with the
+# BIG-bench accuracy before and after healing (its recipe sets bigbench_examples); otherwise the same
+ROWS["laser0.8_pivoted_968w_100s_lm0.1_full_mix_wikihow"] = ROWS["laser0.8_pivoted_968w_100s_lm0.1_full_mix"]
+HEAL_OVERRIDES["laser0.8_pivoted_968w_100s_lm0.1_full_mix_wikihow"] = HEAL_OVERRIDES[
+    "laser0.8_pivoted_968w_100s_lm0.1_full_mix"]
+
 
 def _one(job: dict, q) -> None:
     import torch
