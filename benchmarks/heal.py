@@ -333,7 +333,7 @@ HEAL_OVERRIDES["laser0.8_pivoted_968w_100s_lm0.1_full_mix_wikihow"] = HEAL_OVERR
     "laser0.8_pivoted_968w_100s_lm0.1_full_mix"]
 
 # Gemma-3's pivoted 80 % on Wikipedia alone with the KL alone (lm_weight 0: with 1.0 the held-out KL stopped falling
-# after 50 steps while OpenWebText followed the KL); otherwise as its 100-step row
+# after 50 steps); otherwise as its 100-step row. A lower KL, and worse on both corpora (benchmarks/README.md)
 ROWS["laser0.8_pivoted_128c_481w_100s_kl_full_lr3e-4"] = ROWS["laser0.8_pivoted_128c_481w_100s_lm1.0_full_lr3e-4"]
 HEAL_OVERRIDES["laser0.8_pivoted_128c_481w_100s_kl_full_lr3e-4"] = {
     **HEAL_OVERRIDES["laser0.8_pivoted_128c_481w_100s_lm1.0_full_lr3e-4"], "lm_weight": 0.0}
