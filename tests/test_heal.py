@@ -431,3 +431,20 @@ def test_healing_on_windows_sampled_from_the_teacher(tiny_dirs):
     assert report["held_out_kl_after"] < 0.9 * report["held_out_kl_before"]
     with pytest.raises(ValueError, match=r"heal\.generated: got 8.*mode='e2e' or 'both'"):
         hf_tensorcomp.heal(model, mode="layerwise", generated=8, **SETTINGS)
+
+
+def test_inverse_cdf_sampler_draws_the_softmax_distribution():
+    """A known distribution (0.5, 0.3, 0.2, then zeros): 20,000 draws match it to within 0.015 and never pick a
+    zero-probability token; the returned scores leave exactly the drawn token for greedy decoding; a token in
+    ``never`` is not drawn, the rest renormalized."""
+    from hf_tensorcomp.healing import InverseCDFSampler
+
+    p = torch.tensor([0.5, 0.3, 0.2] + [0.0] * 7)
+    scores = p.log().expand(20_000, -1).clone()
+    torch.manual_seed(0)
+    out = InverseCDFSampler()(None, scores)
+    assert torch.equal(torch.isfinite(out).sum(1), torch.ones(20_000, dtype=torch.long))
+    freq = torch.bincount(out.argmax(1), minlength=10).float() / 20_000
+    assert freq[3:].sum() == 0 and torch.allclose(freq[:3], p[:3], atol=0.015)
+    freq = torch.bincount(InverseCDFSampler(never=0)(None, scores).argmax(1), minlength=10).float() / 20_000
+    assert freq[0] == 0 and torch.allclose(freq[1:3], torch.tensor([0.6, 0.4]), atol=0.015)  # renormalized
