@@ -62,8 +62,11 @@ HEAL_OVERRIDES: dict[str, dict] = {}  # row -> its own healing settings (over th
 def variant(name: str, like: str, heal_like: str | None = None, row: dict | None = None, **heal) -> None:
     """Row `name`: row `like`'s compression (with `row`'s fields changed), healed with row `heal_like`'s
     settings (default: `like`'s) with `heal`'s changed."""
+    heal_like = like if heal_like is None else heal_like
+    if heal_like not in ROWS:  # a misspelt row would otherwise heal with the defaults, silently
+        raise KeyError(f"variant {name!r}: heal_like={heal_like!r} is not a row")
     ROWS[name] = {**ROWS[like], **row} if row else ROWS[like]
-    HEAL_OVERRIDES[name] = {**HEAL_OVERRIDES.get(like if heal_like is None else heal_like, {}), **heal}
+    HEAL_OVERRIDES[name] = {**HEAL_OVERRIDES.get(heal_like, {}), **heal}
 
 
 variant("laser0.8_256w", "laser0.8", samples=256)
