@@ -286,6 +286,12 @@ variant("laser0.8_pivoted_128c_481w_150s_lm1.0_full_lr3e-4_gen480", "laser0.8_pi
 variant("laser0.8_pivoted_128c_481w_100s_lm2.0_full_lr3e-4", "laser0.8_pivoted_128c_481w_100s_lm1.0_full_lr3e-4",
         lm_weight=2.0)
 
+# the gen480 row with the teacher writing unprompted (generated_prompt=0: each window starts at its start-of-text
+# token alone, text of the kind it was pretrained on rather than continuations of Wikipedia), in float32 (run on a
+# CPU without native bfloat16 products, where bfloat16 autocast is several times slower); otherwise the same
+variant("laser0.8_pivoted_128c_481w_150s_lm1.0_full_lr3e-4_gen480u",
+        "laser0.8_pivoted_128c_481w_150s_lm1.0_full_lr3e-4_gen480", generated_prompt=0, precision="float32")
+
 
 def _one(job: dict, q) -> None:
     import torch

@@ -465,7 +465,8 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
 # ---------------------------------------------------------------------------------------- heal
 HEAL_DEFAULTS = {"mode": "e2e", "steps": 100, "layer_steps": 50, "lr": 1e-3, "relative": True, "batch_size": 4,
                  "train": "auto", "lm_weight": 0.0, "held_out": 0.125, "eval_every": 25, "seed": 0, "samples": 256,
-                 "length": 256, "gradient_checkpointing": False, "precision": "auto", "generated": 0, "every": 1}
+                 "length": 256, "gradient_checkpointing": False, "precision": "auto", "generated": 0, "generated_prompt": None,
+                 "every": 1}
 #: what each ``train`` setting trains (`trainable`)
 TRAIN_PARTS = {"auto": {"factors", "norms"}, "factors": {"factors"}, "norms": {"norms"}, "scales": {"scales"},
                "all": {"factors", "norms", "scales"}, "full": {"factors", "norms", "scales", "dense"}}
@@ -498,6 +499,9 @@ def validate_heal(value):
     for key, lo, hi in (("lr", 0, 1), ("lm_weight", 0, 100), ("held_out", 0, 0.5)):
         if not is_number(o[key]) or not lo <= o[key] <= hi or (key == "held_out" and o[key] == 0):
             fail(f"heal.{key}", o[key], f"a number in {'(' if key == 'held_out' else '['}{lo}, {hi}]")
+    if o["generated_prompt"] is not None and not is_int(o["generated_prompt"], 0):
+        fail("heal.generated_prompt", o["generated_prompt"], "None (each sample continues the first length // 8 tokens "
+             "of a calibration window) | an int >= 0 (that many; 0: from the teacher's start-of-text token alone)")
     if o["generated"] and o["mode"] == "layerwise":
         fail("heal.generated", o["generated"], "0 with mode='layerwise' (windows sampled from the teacher feed the "
              "end-to-end step: mode='e2e' or 'both')")
@@ -743,19 +747,30 @@ class InverseCDFSampler:
 
 @torch.no_grad()
 def teacher_windows(teacher, prompts: torch.Tensor, n: int, length: int, seed: int = 0, batch_size: int = 64,
-                    precision: str = "float32", progress: bool = False) -> torch.Tensor:
+                    precision: str = "float32", progress: bool = False, prompt: int | None = None) -> torch.Tensor:
     """``n`` windows of ``length`` tokens sampled from `teacher` (its full next-token distribution:
     temperature 1, no top-k / top-p, no end of text; `InverseCDFSampler`), each continuing the first
-    ``length // 8`` tokens of a window of `prompts` (cycled). Healing text with no end: the KL to the teacher
-    is then trained on the states the teacher itself visits, as in data-free distillation (LLM-QAT), beside
-    the calibration text. ``precision="bfloat16"``: the teacher's forwards under bfloat16 autocast, as
-    healing's. Deterministic for a seed (the global generator is forked, not consumed)."""
+    ``prompt`` tokens (default ``length // 8``) of a window of `prompts` (cycled); ``prompt=0``: from the
+    teacher's start-of-text token alone, text of whatever kind the teacher writes unprompted (its pretraining
+    text's, not the calibration's). Healing text with no end: the KL to the teacher is then trained on the
+    states the teacher itself visits, as in data-free distillation (LLM-QAT), beside the calibration text.
+    ``precision="bfloat16"``: the teacher's forwards under bfloat16 autocast, as healing's. Deterministic for
+    a seed (the global generator is forked, not consumed)."""
     from transformers import LogitsProcessorList
 
-    k = max(1, length // 8)
-    new = length - k
-    heads = prompts[:, :k]
-    heads = heads.repeat((n + heads.shape[0] - 1) // heads.shape[0], 1)[:n]
+    k = max(1, length // 8) if prompt is None else prompt
+    if not 0 <= k < length:
+        raise ValueError(f"teacher_windows: prompt={prompt} tokens; allowed: an int in [0, {length - 1}] (length {length})")
+    if k == 0:
+        bos = teacher.generation_config.bos_token_id
+        bos = teacher.config.bos_token_id if bos is None else bos
+        if bos is None:
+            raise ValueError("heal.generated_prompt: got 0, but the teacher has no start-of-text token "
+                             "(generation_config.bos_token_id); allowed: an int >= 1 (tokens of a calibration window)")
+        heads, new = torch.full((n, 1), int(bos), dtype=torch.long), length - 1
+    else:
+        heads, new = prompts[:, :k], length - k
+        heads = heads.repeat((n + heads.shape[0] - 1) // heads.shape[0], 1)[:n]
     device = next(teacher.parameters()).device
     out, sampler = [], LogitsProcessorList([InverseCDFSampler(never=teacher.generation_config.eos_token_id)])
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _autocast(device, precision):
@@ -837,9 +852,11 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
     if o["mode"] in ("e2e", "both"):
         if o["generated"]:
             sampled = teacher_windows(dense, train_ids, o["generated"], int(train_ids.shape[1]), o["seed"],
-                                      precision=o["precision"], progress=progress)
+                                      precision=o["precision"], progress=progress, prompt=o["generated_prompt"])
             train_ids = torch.cat([train_ids, sampled])
             report["generated"] = o["generated"]
+            if o["generated_prompt"] is not None:
+                report["generated_prompt"] = o["generated_prompt"]
         checkpointing = o["gradient_checkpointing"] and hasattr(model, "gradient_checkpointing_enable")
         if checkpointing:
             model.gradient_checkpointing_enable()

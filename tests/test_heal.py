@@ -424,6 +424,29 @@ def test_teacher_windows_sample_the_full_distribution_after_real_prompts(tiny_di
     assert (counts > 0).sum() > 90 and counts.max() < 20
 
 
+def test_teacher_windows_unprompted_start_from_the_start_of_text_token(tiny_dirs):
+    """``prompt=0``: every window is the teacher's start-of-text token, then ``length - 1`` sampled tokens
+    (different rows, the prompts unused); ``prompt=k``: the prompts' first k tokens; a prompt as long as the
+    window, or ``generated_prompt=0`` for a teacher without a start-of-text token, is refused by name."""
+    from hf_tensorcomp.healing import teacher_windows
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    torch.nn.init.zeros_(teacher.lm_head.weight)
+    teacher.generation_config.bos_token_id = 1
+    prompts = calib(n=4, length=32)
+    out = teacher_windows(teacher, prompts, n=6, length=32, seed=0, prompt=0)
+    assert out.shape == (6, 32) and (out[:, 0] == 1).all() and len({tuple(r) for r in out.tolist()}) == 6
+    out = teacher_windows(teacher, prompts, n=4, length=32, seed=0, prompt=3)
+    assert torch.equal(out[:, :3], prompts[:, :3]) and not torch.equal(out[:, 3:], prompts[:, 3:])
+    with pytest.raises(ValueError, match=r"prompt=32 tokens; allowed: an int in \[0, 31\]"):
+        teacher_windows(teacher, prompts, n=4, length=32, prompt=32)
+    teacher.generation_config.bos_token_id = teacher.config.bos_token_id = None
+    with pytest.raises(ValueError, match=r"heal\.generated_prompt: got 0, but the teacher has no start-of-text"):
+        teacher_windows(teacher, prompts, n=4, length=32, prompt=0)
+    with pytest.raises(ValueError, match=r"heal\.generated_prompt: got -1"):
+        hf_tensorcomp.heal(compressed(tiny_dirs), generated=4, generated_prompt=-1, **SETTINGS)
+
+
 def test_healing_on_windows_sampled_from_the_teacher(tiny_dirs):
     model = compressed(tiny_dirs)
     report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, generated=8, **SETTINGS)
