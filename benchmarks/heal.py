@@ -287,10 +287,13 @@ variant("laser0.8_pivoted_128c_481w_100s_lm2.0_full_lr3e-4", "laser0.8_pivoted_1
         lm_weight=2.0)
 
 # the gen480 row with the teacher writing unprompted (generated_prompt=0: each window starts at its start-of-text
-# token alone, text of the kind it was pretrained on rather than continuations of Wikipedia), in float32 (run on a
-# CPU without native bfloat16 products, where bfloat16 autocast is several times slower); otherwise the same
+# token alone, text of the kind it was pretrained on rather than continuations of Wikipedia); otherwise the same
 variant("laser0.8_pivoted_128c_481w_150s_lm1.0_full_lr3e-4_gen480u",
-        "laser0.8_pivoted_128c_481w_150s_lm1.0_full_lr3e-4_gen480", generated_prompt=0, precision="float32")
+        "laser0.8_pivoted_128c_481w_150s_lm1.0_full_lr3e-4_gen480", generated_prompt=0)
+
+# SmolLM2's Wikipedia-only gen400 row with the teacher writing unprompted, in float32 (the same CPU); otherwise the same
+variant("laser0.8_pivoted_481w_200s_lm0.1_full_lr3e-4_gen400u", "laser0.8_pivoted_481w_200s_lm0.1_full_lr3e-4_gen400",
+        generated_prompt=0, precision="float32")
 
 
 def _one(job: dict, q) -> None:
