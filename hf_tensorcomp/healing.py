@@ -810,7 +810,8 @@ def heal(model, teacher=None, calibration=DEFAULT_CALIBRATION, steps: int | None
     `HEAL_DEFAULTS` (``lr``, ``relative`` — steps relative to each entry's size,
     `RelativeSteps`, the default —, ``batch_size``, ``train``, ``lm_weight``,
     ``eval_every``, ``seed``, ``samples``, ``length``, ``gradient_checkpointing``, ``generated`` — windows
-    sampled from the teacher added to the end-to-end step's (`teacher_windows`) —, ``precision`` —
+    sampled from the teacher added to the end-to-end step's (`teacher_windows`) —, ``generated_prompt`` — the
+    calibration tokens each continues (None: ``length // 8``; 0: the teacher's start-of-text token alone) —, ``precision`` —
     ``"auto"`` (default: `resolve_precision`), ``"float32"``, or ``"bfloat16"``: the training forwards under
     bfloat16 autocast, 1.65x faster on a CPU with native bfloat16 products and healing as far (SmolLM2,
     `benchmarks/heal.py`); the held-out scoring that decides what is kept stays float32 —, ``every`` — the
