@@ -499,9 +499,10 @@ def validate_heal(value):
     for key, lo, hi in (("lr", 0, 1), ("lm_weight", 0, 100), ("held_out", 0, 0.5)):
         if not is_number(o[key]) or not lo <= o[key] <= hi or (key == "held_out" and o[key] == 0):
             fail(f"heal.{key}", o[key], f"a number in {'(' if key == 'held_out' else '['}{lo}, {hi}]")
-    if o["generated_prompt"] is not None and not is_int(o["generated_prompt"], 0):
-        fail("heal.generated_prompt", o["generated_prompt"], "None (each sample continues the first length // 8 tokens "
-             "of a calibration window) | an int >= 0 (that many; 0: from the teacher's start-of-text token alone)")
+    gp = o["generated_prompt"]
+    if gp is not None and not (is_int(gp, 0) and gp < o["length"]):  # up front: teacher_windows checks it only late
+        fail("heal.generated_prompt", gp, f"None (each sample continues the first length // 8 tokens of a calibration "
+             f"window) | an int in [0, {o['length'] - 1}] (that many; 0: from the teacher's start-of-text token alone)")
     if o["generated"] and o["mode"] == "layerwise":
         fail("heal.generated", o["generated"], "0 with mode='layerwise' (windows sampled from the teacher feed the "
              "end-to-end step: mode='e2e' or 'both')")
