@@ -448,9 +448,11 @@ def distill(student, teacher, ids: torch.Tensor, params: list, steps: int, *, lr
             loss = adam_step(opt, backward, steps_of)
             sched.step()
             losses.append(loss)
-            bar.set_postfix(loss=f"{losses[-1]:.4g}")
             if held_out is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
                 score(step + 1)
+            # the last held-out score beside the loss, so that a run stopped early still shows where it stood
+            bar.set_postfix(loss=f"{losses[-1]:.4g}", **({"held_out_kl": f"{scores[-1][1]:.4g}",
+                                                          "held_out_ppl": f"{scores[-1][2]:.4g}"} if scores else {}))
         if held_out is not None:
             with torch.no_grad():
                 for p, b in zip(params, best):

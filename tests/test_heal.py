@@ -45,6 +45,14 @@ def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs, precision):
     assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: the parameters stay float32
 
 
+def test_the_progress_bar_shows_the_last_held_out_score_beside_the_loss(tiny_dirs, capsys):
+    """A run stopped early still shows where its held-out score stood: the bar carries the latest one."""
+    report = hf_tensorcomp.heal(compressed(tiny_dirs), steps=20, lr=3e-3, **{**SETTINGS, "progress": True})
+    err = capsys.readouterr().err
+    _, kl, ppl = report["held_out_steps"][-1]
+    assert f"held_out_kl={kl:.4g}" in err and f"held_out_ppl={ppl:.4g}" in err and "loss=" in err
+
+
 def test_the_teachers_held_out_states_are_computed_once(tiny_dirs):
     """Scoring the held-out windows again runs the teacher's head alone on its cached hidden states: the same
     scores bit for bit as without the cache, the teacher's body run once per window batch; a teacher given as a
