@@ -297,7 +297,8 @@ variant("laser0.8_pivoted_481w_200s_lm0.1_full_lr3e-4_gen400u", "laser0.8_pivote
 
 # Gemma-3's pivoted 80 % on Wikipedia alone, its 100-step lm_weight 1.0 row with the SVD unweighted (weighting=None:
 # whitened only, the budget still allocated by the Fisher-weighted loss): is the Fisher weighting of the factorization
-# what costs the closed form off-domain (it starts OpenWebText at 1.34x)? float32 (a CPU without native bfloat16)
+# what costs the closed form off-domain (it starts OpenWebText at 1.36x)? float32 (a CPU without native bfloat16).
+# No: its closed form is 1.374x / 1.541x (benchmarks/README.md)
 variant("laser0.8_pivoted_nofisher_128c_481w_100s_lm1.0_full_lr3e-4_fp32",
         "laser0.8_pivoted_128c_481w_100s_lm1.0_full_lr3e-4", row={"weighting": None}, precision="float32")
 
