@@ -504,14 +504,15 @@ def _settings(heal: dict) -> dict:
 
 
 def _kv(d: dict) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in (d or {}).items()) or "-"
+    return ", ".join(f"{k}={v!r}" for k, v in d.items()) or "-"
 
 
 def settings_table(rows: list[dict]) -> str:
     """Each row shown above (once, whatever its model): its compression settings and its own healing settings
     (over the defaults in the header), one line apiece."""
     names = list(dict.fromkeys(r["row"] for r in rows if r["row"] in ROWS))
-    table = [{"row": n, "compression": _kv(ROWS[n]) if ROWS[n] else "none (the dense model)", "healing": _kv(HEAL_OVERRIDES.get(n, {}))} for n in names]
+    table = [{"row": n, "compression": _kv(ROWS[n]) if ROWS[n] else "none (the dense model)",
+              "healing": _kv(HEAL_OVERRIDES.get(n, {}))} for n in names]
     return ("### Each row's settings\n\nHealing: the row's own settings over the defaults above.\n\n"
             + markdown_table(table, [("row", "row", "`{}`"), ("compression", "compression", "{}"),
                                      ("healing", "healing", "{}")]) + "\n")
