@@ -9,7 +9,7 @@ Wikipedia *eval* split (disjoint paragraphs). Each variant runs in a child proce
 (max RSS) is its own. Bytes are counted at bf16 for every float tensor (the model as shipped in bf16),
 quanto at its bit width plus bf16 scales.
 
-    python benchmarks/calibrated.py --recipe recipes/calibrated_benchmark.json
+    python benchmarks/calibrated.py --recipe benchmarks/recipes/calibrated/calibrated_benchmark.json
     python benchmarks/calibrated.py --report-only        # re-render table and plot from the JSON
 """
 

@@ -217,7 +217,7 @@ def set_threads(n, field: str = "threads") -> None:
 def cpu_kind() -> str:
     """The CPU's vector instructions as torch dispatches them ("AVX2", "AVX512", ...), and whether it
     multiplies bfloat16 natively (then healing's ``precision="auto"`` is bfloat16): timings depend on both."""
-    from hf_tensorcomp.healing import resolve_precision
+    from hf_tensorcomp.training import resolve_precision
 
     native = resolve_precision("auto", torch.device("cpu")) == "bfloat16"
     return torch.backends.cpu.get_cpu_capability() + (", native bfloat16" if native else "")

@@ -72,7 +72,7 @@ def _build(job: dict, path, label: str, dtype, compressed: dict):
     from transformers import AutoModelForCausalLM
 
     from hf_tensorcomp import TensorCompressionConfig
-    from hf_tensorcomp.layers.qlr import share_input_rotations
+    from hf_tensorcomp.methods.qlr import share_input_rotations
     from hf_tensorcomp.eval.peers import quanto_weight_only
 
     if label in ROWS:

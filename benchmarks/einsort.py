@@ -20,7 +20,7 @@ ceil(log2 n) bits, sign bits, block-identity pivots), compared with the dense ma
    every call, against the dense model: time to score held-out text, greedy decode speed, and the
    memory each option holds (stored tensors, weights kept for the forward).
 
-    python benchmarks/einsort.py [--recipe recipes/einsort_weights.json] [--parts recon ppl table speed] [--threads 1]
+    python benchmarks/einsort.py [--recipe benchmarks/recipes/einsort/einsort_weights.json] [--parts recon ppl table speed] [--threads 1]
     python benchmarks/einsort.py --report-only      # tables and plot again from einsort.json
 
 Running some parts replaces only their rows in einsort.json; the other parts' rows are kept.
@@ -48,8 +48,8 @@ from common import RESULTS, decode_tokens_per_s, load_recipe, markdown_table, pp
 
 from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.assets import model_path  # noqa: E402
-from hf_tensorcomp.decompositions import einsort as es  # noqa: E402
-from hf_tensorcomp.layers import EinSortLinear  # noqa: E402
+from hf_tensorcomp.methods.einsort import decomposition as es  # noqa: E402
+from hf_tensorcomp.methods.einsort import EinSortLinear  # noqa: E402
 from hf_tensorcomp.methods import get_method  # noqa: E402
 from hf_tensorcomp.methods.einsort import activation_scales, save_activation_scales  # noqa: E402
 from hf_tensorcomp.plan import find_decoder_layers, model_context, plan  # noqa: E402
@@ -411,7 +411,7 @@ PARTS = {"recon": part_recon, "ppl": part_ppl, "table": part_table, "speed": par
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--recipe", default=None, help="JSON overriding DEFAULTS (see recipes/einsort_weights.json)")
+    ap.add_argument("--recipe", default=None, help="JSON overriding DEFAULTS (see benchmarks/recipes/einsort/einsort_weights.json)")
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--report-only", action="store_true", help="rewrite einsort.md / einsort.png from einsort.json")

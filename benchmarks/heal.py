@@ -405,14 +405,17 @@ def _control(model, teacher, tok, settings: dict, progress: bool) -> dict:
     """`heal`'s end-to-end step on the dense model itself, on the same training windows, without its no-harm rule
     (the held-out KL starts at 0, so no step could be kept): the last iterate, and its held-out KL to the teacher."""
     from hf_tensorcomp.calibration.data import validate_calibration
-    from hf_tensorcomp.healing import distill, heal_windows, held_out_loss, resolve_precision, trainable, validate_heal
+    from hf_tensorcomp.heal_settings import validate_heal
+    from hf_tensorcomp.healing import heal_windows, trainable
+    from hf_tensorcomp.training import DistillSettings, distill, held_out_loss, resolve_precision
 
     o = validate_heal(settings)
     held, ids = heal_windows(model, validate_calibration("wikipedia"), tok, o)
     params = trainable(model, o["train"])
-    run = distill(model, teacher, ids, params, o["steps"], lr=o["lr"], batch_size=o["batch_size"], seed=o["seed"],
-                  lm_weight=o["lm_weight"], relative=o["relative"], every=o["every"], progress=progress,
-                  precision=resolve_precision(o["precision"], next(model.parameters()).device))
+    run = distill(model, teacher, ids, params,
+                  DistillSettings(o["steps"], lr=o["lr"], batch_size=o["batch_size"], seed=o["seed"],
+                                  lm_weight=o["lm_weight"], relative=o["relative"], every=o["every"], progress=progress,
+                                  precision=resolve_precision(o["precision"], next(model.parameters()).device)))
     model.eval()
     kl, ppl = held_out_loss(model, teacher, held, o["batch_size"])
     return {"steps": o["steps"], "train": o["train"], "params_trained": sum(p.numel() for p in params),
@@ -498,7 +501,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def _settings(heal: dict) -> dict:
-    from hf_tensorcomp.healing import HEAL_DEFAULTS
+    from hf_tensorcomp.heal_settings import HEAL_DEFAULTS
 
     return {**HEAL_DEFAULTS, **heal}
 

@@ -26,7 +26,7 @@ budget, permutation and sign bits included, and the realized ratio is reported):
 Plus decode time per token (batch 1, single-token steps, interleaved round-robin, median) relative
 to DynamicCache, and bytes per token.
 
-    python benchmarks/kv_cache.py --recipe recipes/kv_cache_benchmark.json
+    python benchmarks/kv_cache.py --recipe benchmarks/recipes/kv_cache/kv_cache_benchmark.json
     python benchmarks/kv_cache.py --scaling     # bytes and decode time against the context length
 
 Writes benchmarks/results/kv_cache.json, kv_cache.md and kv_cache.png.

@@ -12,12 +12,12 @@ from "calib"), BIG-bench goal_step_wikihow accuracy (zero-shot, length-normalize
 and without the retrained o_proj). Also: training seconds per projection, the fits' relative MSE,
 and the forward time of a trained rotor projection against the dense nn.Linear at batch 1 and 64.
 
-    OMP_NUM_THREADS=1 python benchmarks/rotor.py [--recipe recipes/rotor_benchmark.json]
+    OMP_NUM_THREADS=1 python benchmarks/rotor.py [--recipe benchmarks/recipes/rotor/rotor_benchmark.json]
 
 Writes benchmarks/results/<out>.json (after every row), <out>.md and <out>.png (``out``: "rotor" by
 default; ``--resume`` keeps the rows already there and runs the missing ones. A structure whose
 stand-in the library refuses (e.g. worse than zeros) is recorded with the message, and its subsets
-without the refused layer are run. recipes/rotor_gemma.json writes rotor_gemma.*).
+without the refused layer are run. benchmarks/recipes/rotor/rotor_gemma.json writes rotor_gemma.*).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def timing(dense, comp, layer: int, tokens: torch.Tensor) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--recipe", help="JSON file overriding DEFAULTS (e.g. recipes/rotor_benchmark.json)")
+    ap.add_argument("--recipe", help="JSON file overriding DEFAULTS (e.g. benchmarks/recipes/rotor/rotor_benchmark.json)")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in <out>.json and run only the missing ones")
     args = ap.parse_args()
     cfg = load_recipe(args.recipe, DEFAULTS)

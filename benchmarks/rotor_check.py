@@ -3,7 +3,7 @@ of rotor / LR1 / LR4 / BH1 trained on real hidden states, and forward time again
 
 Inputs of the projections are captured with a forward hook on calibration paragraphs (Wikipedia
 "calib" split) and on held-out paragraphs ("eval" split: disjoint). Every stand-in is trained with
-`hf_tensorcomp.healing.fit` at the `rotor` method's defaults (lr 0.05, batch 64) unless --lr /
+`hf_tensorcomp.training.fit` at the `rotor` method's defaults (lr 0.05, batch 64) unless --lr /
 --batch-size say otherwise (the paper's LR / BH setting is --lr 0.01 --batch-size 256). For reference, the best
 rank-r map *for these activations* (reduced-rank regression, closed form from the calibration
 covariance) is evaluated too. Timing: one thread, min over repeats.
@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from hf_tensorcomp.assets import load_model, load_text
-from hf_tensorcomp.decompositions import clifford as cl
-from hf_tensorcomp.layers import RotorLinear
-from hf_tensorcomp.methods.rotor import FIT_DEFAULTS, build, num_parameters
-from hf_tensorcomp.healing import fit, relative_mse
+from hf_tensorcomp.methods.rotor import decomposition as cl
+from hf_tensorcomp.methods.rotor import RotorLinear
+from hf_tensorcomp.methods.rotor.method import FIT_DEFAULTS, build, num_parameters
+from hf_tensorcomp.training import fit, relative_mse
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import set_threads  # noqa: E402

@@ -7,7 +7,7 @@ time, and — once per keep — one mixer's prefill tokens/s against the unprune
 threads) and the recurrent + conv state bytes per sequence of all linear-attention layers (fp32, as
 the PyTorch path keeps them). ``--recover-steps N`` adds rows after N steps of LoRA + distillation.
 
-    python benchmarks/state_reduction.py --model PATH --recipe recipes/state_reduction_benchmark.json
+    python benchmarks/state_reduction.py --model PATH --recipe benchmarks/recipes/state_reduction/state_reduction_benchmark.json
     python benchmarks/state_reduction.py --model tiny          # a random tiny Qwen3.5 (pipeline check only)
     python benchmarks/state_reduction.py --report-only         # re-render the table from the JSON
     python benchmarks/state_reduction.py --mixer               # one random 576-wide mixer: speed and state vs key dim

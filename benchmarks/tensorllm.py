@@ -12,7 +12,7 @@ speed: TensorLLM at one CR on *every* layer, factorized and dense mode, and LASE
 
 Metrics: held-out perplexity (Wikipedia eval split) and BIG-bench goal_step_wikihow accuracy.
 
-    python benchmarks/tensorllm.py [--recipe recipes/tensorllm_benchmark.json] [--models smollm2 gemma3] ...
+    python benchmarks/tensorllm.py [--recipe benchmarks/recipes/tensorllm/tensorllm_benchmark.json] [--models smollm2 gemma3] ...
 
 Writes benchmarks/results/tensorllm.json, tensorllm.md and tensorllm.png.
 """

@@ -6,13 +6,13 @@
 """
 
 from . import assets, hybrid
-from .cache import EinSortCache
 from .config import TensorCompressionConfig
 from .convert import convert_gguf
 from .healing import heal
 from .integration import AutoModelForCausalLM, TensorCompQuantizer, compress
 from .integration.hub import model_card, push_to_hub, write_model_card
 from .layers import LowRankLinear
+from .methods.einsort import EinSortCache
 from .streaming import compress_checkpoint
 
 __version__ = "0.1.0"

@@ -203,3 +203,51 @@ def check_checkpoint_tensors(model: nn.Module, names, checkpoint_files) -> None:
             raise ValueError(f"{extra[0]}: unexpected in the checkpoint (compressed_modules[{name!r}] stores only "
                              f"{sorted(k.rpartition('.')[2] for k in expected)}); the config.json and the weights do not "
                              "belong together")
+
+
+def checkpoint_identity(config, checkpoint_files) -> dict[str, tuple[int, int, int]]:
+    """Before any tensor loads: which files the checkpoint is, to tell after loading whether another process
+    rewrote the folder meanwhile (`check_unchanged`). (inode, size, modification time) of each weight file and
+    of the config.json beside them; and that config.json must still hold the compressed modules this load
+    read from it (a rewrite between reading the config and reading the headers changes it)."""
+    import json
+    import os
+    from pathlib import Path
+
+    files = [str(f) for f in checkpoint_files or []]
+    if not files:
+        return {}
+    cfg_file = Path(files[0]).parent / "config.json"
+    if cfg_file.is_file():
+        files.append(str(cfg_file))
+        try:
+            saved = json.loads(cfg_file.read_text()).get("quantization_config", {}).get("compressed_modules")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        if saved != json.loads(json.dumps(config.compressed_modules)):
+            raise ValueError(f"{cfg_file}: changed while the checkpoint loaded (its compressed modules are no longer "
+                             "those read at the start: another process is rewriting the folder); load it again once "
+                             "the writer is done")
+    snapshot = {}
+    for f in files:
+        st = os.stat(f)
+        snapshot[f] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return snapshot
+
+
+def check_unchanged(snapshot: dict[str, tuple[int, int, int]]) -> None:
+    """After the tensors load: every file of `checkpoint_identity`'s snapshot is still the same file; else the
+    headers checked and the tensors loaded may come from different saves (wrong outputs, or a crash at the
+    first forward), and the load is refused."""
+    import os
+
+    for f, ident in snapshot.items():
+        try:
+            st = os.stat(f)
+            now = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            now = None
+        if now != ident:
+            raise ValueError(f"{f}: changed while the checkpoint loaded (another process rewrote the folder, so the "
+                             "checked headers and the loaded tensors may come from different saves); load it again "
+                             "once the writer is done")

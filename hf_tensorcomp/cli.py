@@ -103,12 +103,23 @@ def _texts(spec: str) -> list[str]:
     return [t for t in rows["text"] if t and t.strip()]
 
 
-def _ppl(model, tok, args) -> float:
+def _ppl(model, tok, args, text: str | None = None) -> float:
+    """Perplexity on `text` (default: ``--text``)."""
     from .eval import perplexity
 
-    r = perplexity(model, tok, _texts(args.text), context_length=args.context_length,
+    r = perplexity(model, tok, _texts(text or args.text), context_length=args.context_length,
                    stride=args.stride, max_tokens=args.max_eval_tokens, progress=not args.quiet)
     return r["ppl"]
+
+
+def _eval_texts(text) -> list[str]:
+    """compress's ``--text``: none given, both bundled corpora (their held-out splits); else those given."""
+    if text is None:
+        return list(TEXT_SOURCES)
+    return [text] if isinstance(text, str) else list(dict.fromkeys(text))
+
+
+TEXT_NAMES = {"wikipedia": "Wikipedia", "owt": "OpenWebText"}
 
 
 def _heal(text: str):
@@ -176,16 +187,19 @@ def cmd_compress(args) -> int:
     except (OSError, ValueError) as e:
         raise ValueError(f"model: {args.model}: no tokenizer could be loaded ({str(e).splitlines()[0]}); allowed: a folder "
                          f"holding a model and its tokenizer, a reachable Hub repo id, or {' | '.join(BUNDLED)}") from None
-    from .eval.peers import stored_bytes
+    from .eval.peers import stored_bytes, stored_values
 
-    report = {"model": args.model, "config": cfg.to_dict()["entries"]}
+    texts = _eval_texts(args.text)
+    report = {"model": args.model, "out": str(out), "dtype": args.dtype, "config": cfg.to_dict()["entries"]}
     if cfg.embedding_bits:
         report["embedding_bits"] = cfg.embedding_bits
     if not args.no_eval:
+        report["eval"] = {"texts": texts, "context_length": args.context_length,
+                          "stride": min(args.stride, args.context_length), "max_tokens": args.max_eval_tokens}
         dense = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
-        report["dense_params"] = dense.num_parameters()
-        report["dense_memory_bytes"] = stored_bytes(dense)
-        report["dense_ppl"] = _ppl(dense, tok, args)
+        report.update(dense_values=stored_values(dense), dense_memory_bytes=stored_bytes(dense),
+                      dense_bf16_bytes=stored_bytes(dense, float_bytes=2))
+        report["dense_ppl"] = {t: _ppl(dense, tok, args, t) for t in texts}
         del dense
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype, quantization_config=cfg)
@@ -193,25 +207,31 @@ def cmd_compress(args) -> int:
     from .integration.hub import compression_config
 
     st = compression_config(model).stats
-    report.update(params_before=st["params_before"], params_after=st["params_after"], compress_s=st["compress_seconds"],
-                  memory_bytes=stored_bytes(model))
+    if args.no_eval:  # the dense model as the pipeline measured it before compressing (all floats: values = params)
+        report.update(dense_values=st["params_before"], dense_memory_bytes=st["bytes_before"],
+                      dense_bf16_bytes=st["bytes_before"] * 2 // dtype.itemsize)
+    report.update(values=stored_values(model), compress_s=st["compress_seconds"], memory_bytes=stored_bytes(model))
+    report["header"] = _header(args.model, out, model, st)
     if "heal" in st:
         report["heal"] = {k: st["heal"][k] for k in ("held_out_kl_before", "held_out_kl_after", "improved", "seconds")}
     results = {}
     if not args.no_eval:
-        report["ppl"] = _ppl(model, tok, args)
+        report["ppl"] = {t: _ppl(model, tok, args, t) for t in texts}
     if args.peers:  # what a user would pick instead, on the same text
         from .eval.peers import QUANTO_BITS, quanto_weight_only
 
         report["peers"] = []
         for bits in QUANTO_BITS:
             peer = quanto_weight_only(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype), bits)
-            report["peers"].append({"name": f"quanto int{bits}", "memory_bytes": stored_bytes(peer), "ppl": _ppl(peer, tok, args)})
+            report["peers"].append({"name": f"quanto int{bits}", "memory_bytes": stored_bytes(peer),
+                                    "ppl": {t: _ppl(peer, tok, args, t) for t in texts}})
             del peer
     if not args.no_eval:
-        results = {f"perplexity ({args.text} eval split, ctx {args.context_length}, stride {min(args.stride, args.context_length)}, "
-                   f"{args.max_eval_tokens} tokens)": round(report["ppl"], 3),
-                   "dense perplexity, same setting": round(report["dense_ppl"], 3)}
+        for t in texts:
+            where = f"{TEXT_NAMES[t]} eval split" if t in TEXT_NAMES else t
+            results[f"perplexity ({where}, ctx {args.context_length}, stride {min(args.stride, args.context_length)}, "
+                    f"{args.max_eval_tokens} tokens)"] = round(report["ppl"][t], 3)
+            results[f"dense perplexity, same setting ({where})"] = round(report["dense_ppl"][t], 3)
     if not _write_out(out, args.overwrite, model, tok, results, _base_model(args.model), args.push_to_hub or str(out)):
         return 2
     report["dense_bytes"] = _dir_bytes(src) if os.path.isdir(src) else None
@@ -245,29 +265,107 @@ def _write_out(out: Path, overwrite: bool, model, tok, results, base_model, repo
     return True
 
 
-def _print_report(r: dict) -> None:
-    def row(name, before, after, fmt="{:,}"):
-        ratio = f"{after / before:.3f}" if before and after is not None else "-"
-        b = fmt.format(before) if before is not None else "-"
-        a = fmt.format(after) if after is not None else "-"
-        print(f"{name:<24}{b:>16}{a:>16}{ratio:>10}")
+def _header(model_name: str, out: Path, model, st: dict) -> list[str]:
+    """What was done, in words: per entry the method, where (targets, layers), the budget or rank it ran at and
+    what it chose (bits, ranks), its settings; the embedding table; the calibration text."""
+    from .config import DEFAULT_GROUP_SIZE
+    from .integration.hub import _layers, chosen_ranks, compression_config
+    from .methods import get_method
 
-    emb = f"  embedding_bits={r['embedding_bits']}" if r.get("embedding_bits") else ""
-    print(f"\nhf_tensorcomp report: {r['model']}  {r['config']}{emb}")
-    print(f"{'':<24}{'dense':>16}{'compressed':>16}{'ratio':>10}")
-    row("parameters", r["params_before"], r["params_after"])
-    row("size on disk (bytes)", r.get("dense_bytes"), r["bytes"])
-    row("size in memory (bytes)", r.get("dense_memory_bytes"), r["memory_bytes"])
+    cfg = compression_config(model)
+    n_layers = model.config.get_text_config().num_hidden_layers
+    lines = [f"hf_tensorcomp report: {model_name} -> {out}"]
+    allocation = st.get("allocation", {})
+    for k, e in enumerate(cfg.entries):
+        m = get_method(e.method)
+        doc = (sys.modules[type(m).__module__].__doc__ or "").strip().splitlines()
+        where = _layers(e, st, n_layers)
+        mods = [s for s in st.get("modules", {}).values() if s.get("method") == e.method]
+        summary = doc[0].removeprefix(f"``{e.method}``:").strip().rstrip(".") if doc else ""
+        lines.append(f"  method       {e.method}" + (f" ({summary})" if summary else ""))
+        lines.append(f"  targets      {', '.join(e.targets)} in {'every layer' if where == 'all' else 'layers ' + where}"
+                     f" ({len(mods)} matrices)")
+        a = allocation.get(str(k))
+        if a is not None and m.byte_budget:
+            table = f" and the embedding table ({a['embedding_bits']}-bit codes)" if "embedding_bits" in a else ""
+            lines.append(f"  budget       {a['target']} of the bfloat16 bytes of those matrices{table}; spent "
+                         f"{a['kept_fraction']}")
+        elif a is not None:
+            lines.append(f"  budget       keep {a['target']} of their parameters; kept {a['kept_fraction']}")
+        elif e.rank is not None:
+            lines.append(f"  rank         {e.rank}")
+        bits: dict[int, int] = {}
+        for s in mods:
+            if "bits" in s:
+                bits[s["bits"]] = bits.get(s["bits"], 0) + 1
+        if bits:
+            lines.append("  bits         " + ", ".join(f"{b}-bit x{n}" for b, n in sorted(bits.items())) + " matrices")
+        ranks = chosen_ranks(st, e.method)
+        if ranks != "-":
+            lines.append(f"  ranks        {ranks}" + (" (of the low-rank correction)" if e.method == "qlr" else ""))
+        own = {key: v for key, v in e.options.items() if key != "target_bytes" and m.option_defaults.get(key) != v}
+        if e.factor_bits:
+            own.update(factor_bits=e.factor_bits)
+        if (m.uses_group_size or e.factor_bits) and e.group_size != DEFAULT_GROUP_SIZE:
+            own.update(group_size=e.group_size)
+        lines.append(f"  settings     {', '.join(f'{key}={json.dumps(v)}' for key, v in own.items()) or 'the defaults'}"
+                     f"{' (the rest at their defaults' if own else ' ('}: hf-tensorcomp methods {e.method})")
+    if cfg.embedding_bits:
+        emb = [s for s in st.get("modules", {}).values() if s.get("method") == "embedding"]
+        b = emb[0].get("bits", cfg.embedding_bits) if emb else cfg.embedding_bits
+        lines.append(f"  embedding    input embedding and output head as {b}-bit codes, groups of {cfg.embedding_group_size}"
+                     + (" (chosen by the byte budget)" if cfg.embedding_bits == "auto" else ""))
+    c = st.get("calibration")
+    if c is None:
+        lines.append("  calibration  none (data-free)")
+    else:
+        data = c.get("data")
+        data = ({"wikipedia": "Wikipedia calib split", "owt": "OpenWebText calib split",
+                 "wikipedia+owt": "Wikipedia + OpenWebText calib splits"}.get(data, data) if isinstance(data, str)
+                else (data or {}).get("described", "given data"))
+        lines.append(f"  calibration  {data}: {c['samples']} windows, {c['tokens']:,} tokens"
+                     + (", layer outputs propagated" if c.get("propagate") else ", dense activations"))
+    return lines
+
+
+def _print_report(r: dict) -> None:
+    def fmt(v, spec="{:,}"):
+        return "-" if v is None else spec.format(v)
+
+    def ratio(a, b):
+        return f"{a / b:.3f}" if a is not None and b else "-"
+
+    print()
+    print("\n".join(r["header"]))
+    if "eval" in r:
+        e = r["eval"]
+        names = ", ".join(f"{TEXT_NAMES[t]} eval split" if t in TEXT_NAMES else t for t in e["texts"])
+        print(f"  evaluated on {names}: {e['context_length']}-token windows, stride {e['stride']}, "
+              f"at most {e['max_tokens']:,} tokens each")
+    dtype = r.get("dtype", "float32")
+    print(f"\n{'size':<26}{'dense ' + dtype:>16}{'compressed':>16}{'vs ' + dtype:>12}{'vs bfloat16':>13}")
+    rows = [("bytes on disk", r.get("dense_bytes"), r["bytes"]),
+            ("bytes in memory", r.get("dense_memory_bytes"), r["memory_bytes"])]
+    rows += [(f"  {p['name']}: in memory", None, p["memory_bytes"]) for p in r.get("peers", [])]
+    for name, before, after in rows:
+        bf16 = r.get("dense_bf16_bytes")
+        print(f"{name:<26}{fmt(before):>16}{fmt(after):>16}{ratio(after, before or r.get('dense_memory_bytes')):>12}"
+              f"{ratio(after, bf16):>13}")
+    print(f"{'values stored':<26}{fmt(r.get('dense_values')):>16}{fmt(r['values']):>16}{ratio(r['values'], r.get('dense_values')):>12}"
+          f"{'':>13}  (each weight, code, scale, zero point once)")
     if "ppl" in r:
-        row("perplexity", r["dense_ppl"], r["ppl"], "{:.3f}")
-    for p in r.get("peers", []):
-        row(f"{p['name']}: memory", r.get("dense_memory_bytes"), p["memory_bytes"])
-        row(f"{p['name']}: perplexity", r["dense_ppl"], p["ppl"], "{:.3f}")
-    print(f"{'compression time (s)':<24}{'':>16}{r['compress_s']:>16}")
-    print(f"{'load + compress (s)':<24}{'':>16}{r['load_and_compress_s']:>16}")
+        texts = r["eval"]["texts"]
+        print(f"\n{'perplexity':<26}" + "".join(f"{TEXT_NAMES.get(t, t)[:20]:>22}" for t in texts))
+        models = [("dense " + dtype, r["dense_ppl"]), ("compressed", r["ppl"])]
+        models += [(p["name"], p["ppl"]) for p in r.get("peers", [])]
+        for i, (name, ppl) in enumerate(models):
+            cells = (f"{ppl[t]:.3f}" + (f" ({ppl[t] / r['dense_ppl'][t]:.3f}x)" if i else " " * 9) for t in texts)
+            print(f"{name:<26}" + "".join(c.rjust(22) for c in cells))
+    print(f"\n{'compression time (s)':<26}{r['compress_s']:>16}")
+    print(f"{'load + compress (s)':<26}{r['load_and_compress_s']:>16}")
     if "heal" in r:
         h = r["heal"]
-        print(f"{'healing: held-out KL':<24}{h['held_out_kl_before']:>16.4f}{h['held_out_kl_after']:>16.4f}"
+        print(f"{'healing: held-out KL':<26}{h['held_out_kl_before']:>16.4f}{h['held_out_kl_after']:>16.4f}"
               f"{'' if h['improved'] else '  (no gain: left as it was)':>10}  {h['seconds']} s")
 
 
@@ -371,11 +469,17 @@ def cmd_linearize(args) -> int:
     return 0
 
 
-def _eval_args(p) -> None:
-    p.add_argument("--text", default="wikipedia", metavar="TEXT",
-                   help="evaluation text: wikipedia | owt (bundled, held-out split), a text file, or a datasets "
-                        "name NAME[:CONFIG][@SPLIT] with a 'text' column (default split test; needs the network or "
-                        "the datasets cache). Default: wikipedia")
+def _eval_args(p, several: bool = False) -> None:
+    if several:
+        p.add_argument("--text", nargs="+", default=None, metavar="TEXT",
+                       help="evaluation text(s), each scored: wikipedia | owt (bundled, held-out split), a text file, or "
+                            "a datasets name NAME[:CONFIG][@SPLIT] with a 'text' column (default split test; needs the "
+                            "network or the datasets cache). Default: wikipedia owt")
+    else:
+        p.add_argument("--text", default="wikipedia", metavar="TEXT",
+                       help="evaluation text: wikipedia | owt (bundled, held-out split), a text file, or a datasets "
+                            "name NAME[:CONFIG][@SPLIT] with a 'text' column (default split test; needs the network or "
+                            "the datasets cache). Default: wikipedia")
     p.add_argument("--context-length", type=int, default=512)
     p.add_argument("--stride", type=int, default=512)
     p.add_argument("--max-eval-tokens", type=int, default=16384, help="tokens scored (default 16384)")
@@ -422,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also report optimum-quanto int8 / int4 weight-only on the same text (pip install \"hf_tensorcomp[quanto]\")")
     c.add_argument("--push-to-hub", metavar="REPO", default=None)
     c.add_argument("--no-eval", action="store_true", help="skip perplexity before/after")
-    _eval_args(c)
+    _eval_args(c, several=True)
     c.set_defaults(func=cmd_compress)
     w = sub.add_parser("sweep", help="one layer at a time: decompose, evaluate, revert; writes a JSON table")
     w.add_argument("model", nargs="?", default="smollm2")

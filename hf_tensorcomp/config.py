@@ -26,7 +26,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .methods import METHODS, get_method
 from .calibration.data import DEFAULT as DEFAULT_CALIBRATION, describe, validate_calibration
-from .healing import validate_heal
+from .heal_settings import validate_heal
 from .validation import fail, is_int, is_path
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Entry:
             fail("mode", mode, " | ".join(repr(x) for x in MODES))
         self.factor_bits = options.pop("factor_bits", None)
         self.group_size = options.pop("group_size", DEFAULT_GROUP_SIZE)
-        if self.factor_bits not in FACTOR_BITS or isinstance(self.factor_bits, bool):
+        if self.factor_bits not in FACTOR_BITS or type(self.factor_bits) not in (int, type(None)):  # not True, not 8.0
             fail("factor_bits", self.factor_bits, "None (factors kept in the model's dtype) | 8 | 4 (integer codes with a "
                  "float16 scale and an integer zero point per group of group_size values)")
         if self.factor_bits is not None and (m.structural or mode == "dense"):
@@ -86,6 +86,8 @@ class Entry:
                 fail("target", target, "either rank= (per matrix) or target= (a budget for all the targeted modules), not both")
             target = m.validate_target(target, options)
         self.target = target
+        if rank is not None and m.byte_budget and options.get("target_bytes") is not None:  # the default one too
+            fail("rank", rank, "None with target_bytes= (bits and ranks are allocated)")
         if target is None:
             self.rank = m.validate_rank(m.default_rank if rank is None else rank, options) if m.uses_rank else rank
         else:
@@ -128,7 +130,7 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         progress: show tqdm progress bars while compressing.
         calibration: the text the calibrated methods and options fit to (README: Calibration); when they
             need some and none is given, ``"wikipedia+owt"`` (both bundled corpora, paragraphs alternating).
-        heal: False (default), True or a dict of `hf_tensorcomp.healing.HEAL_DEFAULTS` settings: after
+        heal: False (default), True or a dict of `hf_tensorcomp.heal_settings.HEAL_DEFAULTS` settings: after
             compression, distil the model toward the dense one on the calibration text (`hf_tensorcomp.heal`).
         embedding_bits: None (default: the input embedding and the head stay as they are) | 8 | 4: store
             them as integer codes (round to nearest, a float16 scale and an integer zero point per group of
@@ -213,7 +215,7 @@ class TensorCompressionConfig(QuantizationConfigMixin):
             fail("calibration_tokenizer", type(calibration_tokenizer).__name__, "None (the model's own), a path, or a tokenizer")
         self.calibration_tokenizer = calibration_tokenizer  # not saved: only needed while compressing
         self.heal = validate_heal(heal)
-        if (embedding_bits not in FACTOR_BITS and embedding_bits != "auto") or isinstance(embedding_bits, bool):
+        if (embedding_bits not in FACTOR_BITS and embedding_bits != "auto") or type(embedding_bits) not in (int, str, type(None)):
             fail("embedding_bits", embedding_bits, "None (embedding and head as they are) | 8 | 4 (integer codes per group "
                  "of embedding_group_size values) | 'auto' (4 or 8, chosen by a target_bytes budget)")
         if embedding_bits == "auto" and not compressed_modules and table_entry(self.entries, embedding_bits) is None:

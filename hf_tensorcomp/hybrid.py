@@ -26,7 +26,7 @@ import torch
 from .assets._common import _note, cache_dir
 from .assets.models import _spec
 from .layers import GatedDeltaNetAttention
-from .healing import distill
+from .training import DistillSettings, distill
 from .validation import fail, is_int
 
 #: the recipe of the bundled hybrid (also recipes/linearize_smollm2.json)
@@ -38,7 +38,7 @@ DEFAULTS = {"every": 3, "layers": None, "calibration": "wikipedia", "samples": 1
 def distill_logits(student, teacher, ids: torch.Tensor, steps: int, lr: float = 1e-4, batch_size: int = 4,
                    seed: int = 0, warmup: float = 0.1, progress: bool = True) -> list[float]:
     """Train the student's Gated DeltaNet layers (only those) to match the teacher's next-token distributions
-    (`healing.distill`: KL, Adam with warm-up and cosine decay, seeded shuffle of the windows of ``ids``).
+    (`training.distill`: KL, Adam with warm-up and cosine decay, seeded shuffle of the windows of ``ids``).
     Returns the loss of every step."""
     if not is_int(steps, 1):
         fail("distill_steps", steps, "an int >= 1")
@@ -46,8 +46,9 @@ def distill_logits(student, teacher, ids: torch.Tensor, steps: int, lr: float = 
     if not params:
         raise ValueError("distill_logits: the student has no Gated DeltaNet layers; allowed: a model linearized by "
                          "hf_tensorcomp (method 'linearize')")
-    run = distill(student, teacher, ids, params, steps, lr=lr, batch_size=batch_size, seed=seed, warmup=warmup,
-                  train_mode=True, progress=progress, desc="hf_tensorcomp: end-to-end distillation")
+    run = distill(student, teacher, ids, params,
+                  DistillSettings(steps, lr=lr, batch_size=batch_size, seed=seed, warmup=warmup, train_mode=True,
+                                  progress=progress, desc="hf_tensorcomp: end-to-end distillation"))
     student.eval()
     return run["losses"]
 

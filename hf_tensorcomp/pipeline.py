@@ -7,11 +7,12 @@
 2. **calibrate** (`hf_tensorcomp.calibration`): when a method needs data, the calibration token ids and
    a `LayerwiseRunner` holding the first decoder layer's inputs; sensitivities (Fisher, weight
    gradients) from one backward pass of the dense model, before anything changes.
-3. **allocate**: entries with a global ``target`` get every module's rung of its method's ladder.
+3. **allocate**: entries with a global ``target`` get every module's rung of its method's ladder (an
+   `Allocation` per entry, which its method fills while pricing the rungs and reads when it compresses).
 4. **compress**: unit by unit (layer by layer with calibration, outputs propagated to the next layer),
    each unit checked before and after (`hf_tensorcomp.checks`) and put in place by `hf_tensorcomp.surgery`
    (module replacement only); then each method's whole-model `finish` step, and with ``embedding_bits``
-   the input embedding and the head quantized (`quantize_embeddings`; a tied head stays tied).
+   the input embedding and the head quantized (`hf_tensorcomp.embedding_tables`; a tied head stays tied).
 5. **record**: ``config.compressed_modules`` and ``config.stats`` describe the model as it now is.
 6. **heal** (``heal=``): a short distillation toward the dense model (`hf_tensorcomp.heal`), its
    report added to ``config.stats``.
@@ -33,11 +34,13 @@ from tqdm.auto import tqdm
 from . import checks
 from .calibration.data import calibration_tokenizer, describe
 from .config import TensorCompressionConfig, table_entry
-from .decompositions.quantize import QTensor, stored_bytes
+from .decompositions.quantize import stored_bytes
+from .embedding_tables import final_gram, head_gram, quantize_embeddings, table_names
 from .layers import FactorizedModule
-from .layers.qlr import share_input_rotations
+from .methods.qlr import share_input_rotations
 from .methods import get_method
-from .layout import embedding_names, set_tied_embeddings
+from .methods.base import Allocation
+from .layout import embedding_names
 from .plan import find_decoder_layers, model_context, plan
 from .surgery import factored_specs, set_module
 
@@ -72,7 +75,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
     """
     work = plan(model, config) if work is None else work  # 1. plan
     if config.embedding_bits:
-        _embedding_names(model)  # refused before any work when already quantized
+        table_names(model)  # refused before any work when already quantized
     prefix, layer_list = find_decoder_layers(model)
     if stream is None:
         for _, names in work:  # every dense weight checked before any work (allocation reads them all)
@@ -99,7 +102,8 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
             if done:
                 finished[str(k)] = done
         if config.embedding_bits:
-            bits = next((a["embedding_bits"] for a in allocation.values() if "embedding_bits" in a), config.embedding_bits)
+            bits = next((a.report["embedding_bits"] for a in allocation.values() if "embedding_bits" in a.report),
+                        config.embedding_bits)
             if stream is not None:  # the table read, quantized and written a block of rows at a time
                 module_stats.update(stream.quantize_table(bits, config.embedding_group_size, final_gram(model, runner, final)))
             else:
@@ -179,7 +183,7 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
 
     def compress_unit(k, names, stats):
         entry = config.entries[k]
-        unit_ctx = replace(ctx, stats=stats, ranks=allocation.get(k, {}).get("rungs"), layers=layer_list)
+        unit_ctx = replace(ctx, stats=stats, allocation=allocation.get(k), layers=layer_list)
         mods = {n: layer_list.get_submodule(n) for n in names}
         if stream is not None:  # streamed weights are checked as they arrive
             checks.check_inputs(mods, prefix)
@@ -234,21 +238,6 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
     return module_stats, final
 
 
-def _embedding_names(model: nn.Module) -> tuple[str, str | None]:
-    """`layout.embedding_names`, refusing an embedding that is quantized already or not an nn.Embedding."""
-    from .layers import QuantizedEmbedding
-
-    emb = model.get_input_embeddings()
-    emb = getattr(emb, "original", emb)  # streaming: the module a `StreamedEmbedding` stands in for
-    if isinstance(emb, QuantizedEmbedding):
-        raise ValueError("TensorCompressionConfig.embedding_bits: the embedding is quantized already; allowed: "
-                         "embedding_bits=None when compressing a compressed model again")
-    if not isinstance(emb, nn.Embedding):
-        raise ValueError(f"TensorCompressionConfig.embedding_bits: the input embedding is a {type(emb).__name__}; "
-                         "allowed: models whose input embedding is an nn.Embedding")
-    return embedding_names(model)
-
-
 def _calibration_ids(model: nn.Module, config: TensorCompressionConfig):
     """The calibration token ids (None without calibration text), checked against the vocabulary."""
     if config.calibration is None:
@@ -263,133 +252,6 @@ def _calibration_ids(model: nn.Module, config: TensorCompressionConfig):
         raise ValueError(f"TensorCompressionConfig.calibration: token id {int(bad[0])} is outside the model's vocabulary "
                          f"of {vocab} ({bad.numel()} such ids); allowed: ids in [0, {vocab}), or texts")
     return ids
-
-
-class _HeadReached(Exception):
-    pass
-
-
-def head_gram(model: nn.Module, head: nn.Module, ids: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """XᵀX of the head's inputs (the final hidden states) over the calibration ids, by forward passes of the
-    model as it is now (its compressed layers included) that stop at the head: its inputs are gathered and
-    no logits are computed (a batch of 8 x 256 tokens over Gemma-3's 262k-token vocabulary would be 2 GB)."""
-    from .calibration.stats import ModuleStats
-
-    stats = ModuleStats(frozenset({"gram"}))
-
-    def grab(module, args, kwargs):
-        x = args[0] if args else kwargs["input"]
-        stats.add(x.detach().reshape(-1, x.shape[-1]).float())
-        raise _HeadReached
-
-    handle = head.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            for i in range(0, len(ids), batch_size):
-                try:
-                    model(ids[i: i + batch_size].to(head.weight.device))
-                except _HeadReached:
-                    pass
-    finally:
-        handle.remove()
-    return stats.gram.float()
-
-
-def final_gram(model: nn.Module, runner, final) -> torch.Tensor | None:
-    """XᵀX of the head's inputs from the `final` hidden states (the last decoder layer's outputs, propagated
-    through the compressed layers; dropped here) through the model's final norm: what `head_gram` gathers
-    with a forward pass of the whole model, for a model that is never whole (streaming). None without
-    calibration."""
-    if runner is None:
-        return None
-    from .calibration.stats import ModuleStats
-
-    norm = getattr(model.get_submodule(runner.prefix.rpartition(".")[0]), "norm", None)
-    if norm is None:
-        raise ValueError("compress_checkpoint: embedding_bits: this architecture has no final `norm` after its decoder "
-                         "layers to give the head's inputs; allowed: embedding_bits=None, or compress in memory")
-    stats = ModuleStats(frozenset({"gram"}))
-    with torch.no_grad():
-        for h in final:
-            x = norm(h)
-            stats.add(x.detach().reshape(-1, x.shape[-1]).float())
-    runner.drop_states(final)
-    return stats.gram.float()
-
-
-def table_plan(gram: torch.Tensor) -> tuple:
-    """The GPTQ plan (`gptq_plan`: damped inverse and column order) the table a head multiplies by is
-    quantized with: activation order on the Gram of the head's inputs. The one place the in-memory
-    (`quantize_embeddings`) and the streamed (`LayerStream.quantize_table`) tables take it from, so the two
-    stay bit-identical."""
-    from .decompositions.quantize import gptq_plan
-
-    return gptq_plan(gram, act_order=True)
-
-
-def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch.Tensor | None = None,
-                        batch_size: int = 8) -> dict:
-    """The input embedding and the output head stored as `bits`-bit codes in groups of `group_size` along
-    each row; a tied head reads the embedding's codes, so the table is stored once, and transformers' own
-    tying is switched off (``tie_word_embeddings=False``: this module is the tie).
-
-    With calibration `ids` the head's weight (the tied table) is quantized by GPTQ in activation order on
-    the Gram of the head's inputs: the head's output error is what a 4-bit table costs (SmolLM2, 4 bits in
-    groups of 128: round to nearest in the head alone 1.155x dense perplexity, in the lookups alone 1.007x;
-    GPTQ tied 1.058x; the head's relative output error on the calibration text 0.122 rounded to nearest,
-    0.053 GPTQ in column order, 0.045 in activation order); without, round to nearest. An untied
-    embedding is always rounded to nearest."""
-    from .decompositions.quantize import quantize_gptq
-
-    emb_name, head_name = _embedding_names(model)
-    emb = model.get_submodule(emb_name)
-    head = model.get_submodule(head_name) if head_name else None
-    tied = head is not None and head.weight is emb.weight
-    gram = head_gram(model, head, ids, batch_size) if head is not None and ids is not None else None
-    quantizer = "gptq" if gram is not None else "rtn"
-
-    def q(w):
-        return quantize_gptq(w.detach().float(), None, bits, group_size, plan=table_plan(gram)) if gram is not None else None
-
-    def err(ref, approx):
-        ref, approx = ref.detach().float(), approx.detach().float()
-        return round(float((ref - approx).norm() / ref.norm().clamp_min(1e-30)), 6)
-
-    new_emb, new_head = install_tables(model, emb, head, bits, group_size, q(emb.weight) if tied else None,
-                                       None if head is None or tied else q(head.weight))
-    out = {emb_name: table_stats(bits, group_size, quantizer if tied else "rtn", err(emb.weight, new_emb.weight), tied)}
-    if head is not None and not tied:
-        out[head_name] = table_stats(bits, group_size, quantizer, err(head.weight, new_head.weight))
-    return out
-
-
-def table_stats(bits: int, group_size: int, quantizer: str, rel_error: float, tied: bool | None = None) -> dict:
-    """The stats of a quantized embedding table (``tied``: given for the input embedding, not an untied head)."""
-    return {"method": "embedding", "bits": bits, "group_size": group_size,
-            **({"tied_head": tied} if tied is not None else {}), "quantizer": quantizer, "rel_error": rel_error}
-
-
-def install_tables(model: nn.Module, emb: nn.Module, head: nn.Module | None, bits: int, group_size: int,
-                   given: QTensor | None = None, given_head: QTensor | None = None):
-    """`QuantizedEmbedding` and `QuantizedHead` put in place of the input embedding `emb` and the head (a tied
-    head reads the embedding's codes, and transformers' own tying is switched off: this module is the tie);
-    their codes `given` (e.g. GPTQ's), else rounded to nearest, or on the meta device empty buffers (a
-    streamed skeleton). Returns (the new embedding, the new head or None)."""
-    from .layers import QuantizedEmbedding, QuantizedHead
-
-    emb_name, head_name = embedding_names(model)
-    tied = head is not None and head.weight is emb.weight
-    new_emb = QuantizedEmbedding.build(emb, bits, group_size, given)
-    new_head = None
-    if head is not None:
-        new_head = QuantizedHead.build(head, bits, group_size, new_emb if tied else None, emb_name if tied else None,
-                                       given=given_head)
-        set_module(model, head_name, new_head)
-    set_module(model, emb_name, new_emb)
-    if tied:
-        set_tied_embeddings(model.config, False)
-        model.all_tied_weights_keys = {}
-    return new_emb, new_head
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -433,7 +295,7 @@ def record(model: nn.Module, config: TensorCompressionConfig, before: tuple[int,
         if runner.fisher_fallback:
             config.stats["calibration"]["fisher_fallback"] = runner.fisher_fallback
     if allocation:
-        config.stats["allocation"] = {str(k): {key: v for key, v in a.items() if key != "rungs"} for k, a in allocation.items()}
+        config.stats["allocation"] = {str(k): a.report for k, a in allocation.items()}
     return config.stats
 
 
@@ -454,7 +316,7 @@ TABLE_BITS = (4, 8)  # the rungs of ``embedding_bits="auto"``
 
 def _table(model) -> tuple:
     """(table name, head name or None, table, head or None, copies): copies 2 for an untied head, stored beside."""
-    emb_name, head_name = _embedding_names(model)
+    emb_name, head_name = table_names(model)
     emb = model.get_submodule(emb_name)
     head = model.get_submodule(head_name) if head_name else None
     return emb_name, head_name, emb, head, 1 if head is None or head.weight is emb.weight else 2
@@ -467,7 +329,7 @@ def _table_bytes(model, config) -> tuple[int, float]:
     return copies * emb.weight.numel(), copies * stored_bytes(tuple(emb.weight.shape), bits, config.embedding_group_size) / 2
 
 
-def _table_ladder(model, config, m, entry, runner, cost: float) -> tuple[str, tuple[list, list]]:
+def _table_ladder(model, config, m, entry, alloc, runner, cost: float) -> tuple[str, tuple[list, list]]:
     """(key, (costs, losses)) of the embedding table in a byte budget: one rung at fixed
     ``embedding_bits``; with ``"auto"`` the rungs 4 and 8 bits, their loss that of the output head (the
     table's error where it costs, see `quantize_embeddings`) by the entry's own rule, on the dense
@@ -477,7 +339,7 @@ def _table_ladder(model, config, m, entry, runner, cost: float) -> tuple[str, tu
 
     emb_name, head_name, emb, head, copies = _table(model)
     if config.embedding_bits != "auto":
-        entry.__dict__.setdefault("_rungs", {})[emb_name] = [(config.embedding_bits, 0)]
+        alloc.settings[emb_name] = [(config.embedding_bits, 0)]
         return emb_name, ([cost], [0.0])
     if head is None:
         raise ValueError("TensorCompressionConfig.embedding_bits: 'auto' weighs the table by the output head's error, and "
@@ -487,14 +349,15 @@ def _table_ladder(model, config, m, entry, runner, cost: float) -> tuple[str, tu
         stats.gram = head_gram(model, head, runner.ids, config.calibration_batch_size)
     stats.fisher = (getattr(runner, "fisher", None) or {}).get(head_name)
     stats.to(head.weight.device)  # gathered on the host, used beside the table
-    ladder = m.ladder(emb_name, head, stats, entry, bits=TABLE_BITS, ranks=(0,), group_size=config.embedding_group_size,
+    ladder = m.ladder(emb_name, head, stats, entry, alloc, bits=TABLE_BITS, ranks=(0,), group_size=config.embedding_group_size,
                       copies=copies, table=True)
     return emb_name, ladder
 
 
-def allocate(config, work, methods, layer_list, runner, stream=None, model=None) -> dict[int, dict]:
-    """Stage 3: per entry with a global `target`, the rung of every module's ladder, meeting the budget.
-    With ``embedding_bits``, a byte budget (`config.table_entry`) holds the embedding table too."""
+def allocate(config, work, methods, layer_list, runner, stream=None, model=None) -> dict[int, Allocation]:
+    """Stage 3: per entry with a global `target`, the rung of every module's ladder, meeting the budget: its
+    `Allocation` (what the method's `ladder` recorded, the rungs chosen, the report). With ``embedding_bits``, a
+    byte budget (`config.table_entry`) holds the embedding table too."""
     from .decompositions.allocation import allocate as allocate_rungs
 
     out = {}
@@ -502,12 +365,13 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
         m = methods[k]
         if not m.allocates(entry):
             continue
+        alloc = m.start_allocation(entry)
         names = [n for kk, ns in work if kk == k for n in ns]
         total = sum(layer_list.get_submodule(n).weight.numel() for n in names)
         is_table = k == table_entry(config.entries, config.embedding_bits)
         if is_table:  # the share the modules keep once the table took its bytes (at its widest)
             params, cost = _table_bytes(model, config)
-            m.set_module_share(entry, (m.budget(entry) * (total + params) - cost) / total)
+            alloc.share = (alloc.budget * (total + params) - cost) / total
         ladders = {}
         kinds = m.ladder_needs(entry)
         if kinds:
@@ -515,46 +379,47 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
 
             def on_layer(li, stats):
                 for n, st in stats.items():
-                    ladders[n] = m.ladder(n, layer_list.get_submodule(n), st, entry)
+                    ladders[n] = m.ladder(n, layer_list.get_submodule(n), st, entry, alloc)
                 return False
 
             reading = None if stream is None else stream.reader()
             runner.run(wanted, on_layer, last=max(wanted), propagate=False, progress=config.progress,
-                       desc=f"hf_tensorcomp: allocating {entry.method} target={m.budget(entry)}", stream=reading)
+                       desc=f"hf_tensorcomp: allocating {entry.method} target={alloc.budget}", stream=reading)
             if reading is not None:
                 reading.close()
         else:
             if stream is not None:
                 raise ValueError("compress_checkpoint: a data-free global allocation reads every weight first; allowed: "
                                  "calibration= (its allocation pass streams the layers), or rank=")
-            ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry) for n in names}
+            ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry, alloc) for n in names}
         table = None
         if is_table:
-            table, ladders[table] = _table_ladder(model, config, m, entry, runner, cost)
+            table, ladders[table] = _table_ladder(model, config, m, entry, alloc, runner, cost)
             total += params
-        measured = _measured(m, entry, ladders, layer_list, runner, model, table) if m.measures(entry) else None
-        budget = m.budget(entry) * total
+        measured = _measured(alloc, ladders, layer_list, runner, model, table) if alloc.measured else None
+        budget = alloc.budget * total
         try:
             rungs = allocate_rungs(ladders, budget)
         except ValueError as e:
             field = "target_bytes" if m.byte_budget else "target"
             table_note = f" (the embedding table's {ladders[table][0][0]:,.0f} included)" if table is not None else ""
-            raise ValueError(f"TensorCompressionConfig.{field}: got {m.budget(entry)}; {e}{table_note}; allowed: a larger "
+            raise ValueError(f"TensorCompressionConfig.{field}: got {alloc.budget}; {e}{table_note}; allowed: a larger "
                              f"{field}" + (", or embedding_bits=4 | 'auto'" if table is not None else "")
-                             + m.budget_hint(entry)) from None
+                             + m.budget_hint(entry, alloc)) from None
         spent = sum(ladders[n][0][j] for n, j in rungs.items())
-        out[k] = {"target": m.budget(entry), "params_targeted": total, "params_kept": spent,
-                  "kept_fraction": round(spent / total, 6)}
+        out[k] = alloc
+        alloc.report = {"target": alloc.budget, "params_targeted": total, "params_kept": spent,
+                        "kept_fraction": round(spent / total, 6)}
         if measured is not None:
-            out[k]["measured_kl"] = {("head" if li == len(layer_list) else str(li)): round(v, 6) for li, v in measured.items()}
+            alloc.report["measured_kl"] = {("head" if li == len(layer_list) else str(li)): round(v, 6) for li, v in measured.items()}
         if table is not None:
-            out[k]["embedding_bits"] = entry.__dict__["_rungs"][table][rungs.pop(table)][0]
-        out[k]["rungs"] = rungs
-        out[k]["kept_dense"] = sorted(f"{n}" for n, j in rungs.items() if j == len(ladders[n][0]) - 1)
+            alloc.report["embedding_bits"] = alloc.settings[table][rungs.pop(table)][0]
+        alloc.rungs = rungs
+        alloc.report["kept_dense"] = sorted(f"{n}" for n, j in rungs.items() if j == len(ladders[n][0]) - 1)
     return out
 
 
-def _measured(m, entry, ladders: dict, layer_list, runner, model, table) -> dict[int, float]:
+def _measured(alloc, ladders: dict, layer_list, runner, model, table) -> dict[int, float]:
     """Every decoder layer's ladders (and the table's) scaled, in place, so that their cheapest rungs together
     cost what they were measured to (`measured_kl`: that layer's matrices alone on their cheapest rung; the
     table by the output head it is read as), each ladder keeping its own shape. Returns the measured KL per
@@ -567,8 +432,8 @@ def _measured(m, entry, ladders: dict, layer_list, runner, model, table) -> dict
             continue
         key, mod = (len(layer_list), model.get_output_embeddings()) if n == table else (_layer_of(n), layer_list.get_submodule(n))
         groups.setdefault(key, {})[n] = mod
-    kl = measured_kl(runner, groups, lambda n: m.probe(n, entry))
-    m.drop_probes(entry)  # those of one-rung ladders
+    kl = measured_kl(runner, groups, lambda n: alloc.probes.pop(n)())
+    alloc.probes.clear()  # those of one-rung ladders
     for key, names in groups.items():
         base = sum(ladders[n][1][0] for n in names)
         if base > 0:

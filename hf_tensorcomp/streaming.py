@@ -51,12 +51,55 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
+HEADER_MAX_BYTES = 100 << 20  # safetensors' own bound on a header's length
+
+
 def _header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts, checked
+    before anything is sized by it: the header's length within the file (and safetensors' 100 MB), each
+    entry's dtype known, its shape non-negative integers, its byte span that shape's size and inside the
+    file. A damaged shard is refused in one line naming it (ValueError), never read past its end."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"compress_checkpoint: {path}: {why}; allowed: a whole safetensors file (copy or download "
+                          "the shard again)")
+
     with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        head = json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        if len(first) < 8:
+            raise bad(f"the file is truncated ({size} bytes, shorter than a header)")
+        n = int.from_bytes(first, "little")
+        if n > min(size - 8, HEADER_MAX_BYTES):
+            raise bad(f"the header says it is {n} bytes long, but the file holds {size - 8} after the length"
+                      + (" (truncated or corrupted)" if n <= HEADER_MAX_BYTES else f" (at most {HEADER_MAX_BYTES})"))
+        text = f.read(n)
+    try:
+        head = json.loads(text)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(f"the header is not valid JSON ({e})") from None
+    if not isinstance(head, dict):
+        raise bad(f"the header is a JSON {type(head).__name__}, not an object")
     head.pop("__metadata__", None)
+    data = size - 8 - n
+    for name, t in head.items():
+        if not (isinstance(t, dict) and isinstance(t.get("shape"), list) and isinstance(t.get("data_offsets"), list)
+                and len(t["data_offsets"]) == 2):
+            raise bad(f"the header's entry {name!r} is not {{dtype, shape, data_offsets: [begin, end]}}")
+        if t.get("dtype") not in _DTYPES:
+            raise bad(f"tensor {name!r} has dtype {t.get('dtype')!r}, which this reader does not know (it reads "
+                      f"{', '.join(_DTYPES)})")
+        numbers = [*t["shape"], *t["data_offsets"]]
+        if not all(type(v) is int and v >= 0 for v in numbers):
+            raise bad(f"tensor {name!r} has shape {t['shape']} and data_offsets {t['data_offsets']}; allowed: "
+                      "non-negative integers")
+        begin, end = t["data_offsets"]
+        if end < begin or end - begin != math.prod(t["shape"]) * _DTYPES[t["dtype"]].itemsize:
+            raise bad(f"tensor {name!r}: data_offsets {t['data_offsets']} span {end - begin} bytes, but "
+                      f"{t['dtype']} x {t['shape']} takes {math.prod(t['shape']) * _DTYPES[t['dtype']].itemsize}")
+        if end > data:
+            raise bad(f"tensor {name!r} ends at byte {8 + n + end}, past the end of the file ({size} bytes): the shard "
+                      "is truncated")
     return head, 8 + n
 
 
@@ -150,7 +193,22 @@ class ShardReader:
         index = folder / "model.safetensors.index.json"
         self._headers: dict[Path, tuple[dict, int]] = {}
         if index.exists():
-            self.where = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"compress_checkpoint: {index}: not a safetensors index ({type(e).__name__}: {e}); "
+                                 "allowed: a JSON object whose \"weight_map\" maps tensor names to shard files") from None
+            bad = [(k, f) for k, f in (weight_map.items() if isinstance(weight_map, dict) else [("weight_map", weight_map)])
+                   if not (isinstance(k, str) and isinstance(f, str) and f and Path(f).name == f and f not in (".", ".."))]
+            if bad:
+                raise ValueError(f"compress_checkpoint: {index}: entry {bad[0][0]!r} -> {bad[0][1]!r}; allowed: tensor "
+                                 "names mapped to file names in the checkpoint's folder")
+            self.where = {k: folder / f for k, f in weight_map.items()}
+            for path in sorted(set(self.where.values())):  # every shard's header checked before any work
+                if not path.is_file():
+                    raise ValueError(f"compress_checkpoint: {path}: the index names this shard, but it is missing; "
+                                     "allowed: a checkpoint folder with all its shards")
+                self._headers[path] = _header(path)
         elif (folder / "model.safetensors").exists():
             path = folder / "model.safetensors"
             self._headers[path] = _header(path)
@@ -172,6 +230,9 @@ class ShardReader:
         if path not in self._headers:
             self._headers[path] = _header(path)
         head, start = self._headers[path]
+        if name not in head:
+            raise ValueError(f"compress_checkpoint: {path}: the index places tensor {name!r} in this shard, but its header "
+                             "does not hold it; allowed: an index and shards written together")
         t = head[name]
         return _DTYPES[t["dtype"]], t["shape"], start + t["data_offsets"][0], start + t["data_offsets"][1]
 
@@ -179,18 +240,29 @@ class ShardReader:
         """Rows `index` of a stored 2-D tensor, read from its file one row at a time (an embedding's rows
         the calibration text uses; nothing else of the tensor is read)."""
         stored, shape, begin, _ = self.info(name)
+        if len(shape) != 2 or (len(index) and not 0 <= int(index.min()) <= int(index.max()) < shape[0]):
+            raise ValueError(f"compress_checkpoint: {self.where[name]}: tensor {name!r} has shape {shape}; rows "
+                             f"{int(index.min()) if len(index) else 0}..{int(index.max()) if len(index) else 0} were asked "
+                             "for (the stored table does not match the model's config)")
         width = shape[1] * stored.itemsize
         out = torch.empty(len(index), shape[1], dtype=stored)
         view = out.view(torch.uint8).numpy()
         with open(self.where[name], "rb") as f:
             for i, r in enumerate(index.tolist()):
                 f.seek(begin + r * width)
-                view[i] = memoryview(f.read(width))
+                data = f.read(width)
+                if len(data) != width:
+                    raise ValueError(f"compress_checkpoint: {self.where[name]} ends inside tensor {name!r}; the shard "
+                                     "is truncated")
+                view[i] = memoryview(data)
         return out.to(dtype)
 
     def block(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of a stored tensor (one contiguous read; a 0-d tensor is one row)."""
         stored, shape, begin, _ = self.info(name)
+        if not 0 <= start <= stop <= (shape[0] if shape else 1):
+            raise ValueError(f"compress_checkpoint: {self.where[name]}: rows {start}:{stop} of tensor {name!r} of shape "
+                             f"{shape} were asked for")
         width = math.prod(shape[1:]) * stored.itemsize
         out = torch.empty(stop - start, *shape[1:], dtype=stored)
         with open(self.where[name], "rb") as f:
@@ -222,6 +294,9 @@ class ShardReader:
                     left = end - begin
                     while left:
                         data = f.read(min(step, left))
+                        if not data:  # the file shrank since its header was read: never loop on an empty read
+                            raise ValueError(f"compress_checkpoint: {self.where[name]} ends inside tensor {name!r}; the "
+                                             "shard is truncated")
                         left -= len(data)
                         if sd != od:
                             data = torch.frombuffer(bytearray(data), dtype=sd).to(od).view(torch.uint8).numpy().tobytes()
@@ -238,6 +313,10 @@ class StreamedEmbedding(nn.Module):
         self.__dict__["original"] = original  # not a submodule: nothing of it in this module's state
         self.reader, self.name, self.dtype = reader, name, dtype
         self.num_embeddings, self.embedding_dim = original.weight.shape
+        if name in reader.where and list(reader.info(name)[1]) != list(original.weight.shape):
+            raise ValueError(f"compress_checkpoint: {reader.where[name]}: tensor {name!r} has shape {reader.info(name)[1]}; "
+                             f"the config says {list(original.weight.shape)} (the config and the weights do not belong "
+                             "together)")
 
     @property
     def weight(self) -> torch.Tensor:
@@ -321,7 +400,7 @@ class LayerStream:
 
     def quantize_table(self, bits: int, group_size: int, gram: torch.Tensor | None) -> dict:
         """``embedding_bits`` while streaming: the input embedding (and an untied head) quantized as
-        `hf_tensorcomp.pipeline.quantize_embeddings` does in memory — GPTQ (activation order) on the head
+        `hf_tensorcomp.embedding_tables.quantize_embeddings` does in memory — GPTQ (activation order) on the head
         inputs' `gram` for the table the head multiplies by, round to nearest for an untied embedding or
         without calibration — but read from the source, quantized and written to their own shard a block of
         rows at a time (GPTQ and round to nearest treat each row on its own, so the blocks give the whole
@@ -329,7 +408,7 @@ class LayerStream:
         stats."""
         from .decompositions.quantize import code_bytes, n_groups, pack, quantize_gptq, quantize_rtn
         from .layout import embedding_names
-        from .pipeline import install_tables, table_plan, table_stats
+        from .embedding_tables import install_tables, table_plan, table_stats
 
         emb_name, head_name = embedding_names(self.model)
         emb = self.model.get_submodule(emb_name)
@@ -431,10 +510,50 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     ``cfg.heal={"mode": "layerwise", ...}``: each layer healed while it is in memory (`StreamHealer`).
     The model card (README.md) is written beside the checkpoint.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from .pipeline import compress_model
+
+    dev = _check_arguments(cfg, device, states_dir)
+    src = _resolve(src)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"compress_checkpoint: out: {out} exists and is not empty; allowed: a new or empty folder, "
+                         "or overwrite=True")
+    _return_large_frees()
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        model, work = _skeleton(src, cfg, dtype)
+        prefix, layers = find_decoder_layers(model)
+        reader = ShardReader(src)
+        emb, emb_name, tied = _load_non_layer_tensors(model, reader, f"{prefix}.", dtype, dev)
+        parent, _, attr = next(n for n, m in model.named_modules() if m is emb).rpartition(".")
+        holder = model.get_submodule(parent) if parent else model
+        with atomic_dir(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as scratch:
+            stream = LayerStream(model, reader, tmp, dtype, peak, dev)
+            if states_dir is not None:
+                stream.states_dir = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="hf-tensorcomp-states-",
+                                                                                          dir=states_dir)))
+            streamed = StreamedEmbedding(emb, reader, emb_name, dtype)
+            setattr(holder, attr, streamed)
+            try:
+                compress_model(model, cfg, work=work, stream=stream)
+            finally:
+                if getattr(holder, attr) is streamed:  # (with embedding_bits it is the quantized table by now)
+                    setattr(holder, attr, emb)
+            _write_rest(model, cfg, src, tmp, reader, stream, f"{prefix}.", tied, dtype)
+    bound = _memory_bound(reader, prefix, len(layers), model, cfg, stream.largest_written, on_disk=states_dir is not None)
+    report = {"src": str(src), "out": str(out), "layers": len(layers), "seconds": round(time.perf_counter() - t0, 1),
+              "seconds_per_layer": stream.seconds, "peak_above_start_mb": round(peak.above_start / 2**20, 1),
+              "setup_peak_above_start_mb": round(((peak.peak if peak.before_mark is None else peak.before_mark)
+                                                  - peak.start) / 2**20, 1),
+              "bound_mb": {k: round(v / 2**20, 1) for k, v in bound.items()},
+              "within_bound": peak.above_start <= bound["bound"],
+              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+              "max_memory": max_memory, "stats": cfg.stats}
+    return report
+
+
+def _check_arguments(cfg: TensorCompressionConfig, device: str, states_dir) -> torch.device:
+    """`compress_checkpoint`'s settings refused before any work (what streaming cannot do); returns the device."""
     from .validation import fail
 
     if not isinstance(cfg, TensorCompressionConfig):
@@ -462,101 +581,91 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     if states_dir is not None and not Path(states_dir).is_dir():
         raise ValueError(f"compress_checkpoint.states_dir: got {str(states_dir)!r}; allowed: None (states in memory) or an "
                          "existing folder")
-    src = _resolve(src)
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"compress_checkpoint: out: {out} exists and is not empty; allowed: a new or empty folder, "
-                         "or overwrite=True")
-    _return_large_frees()
-    with PeakRSS() as peak:
-        t0 = time.perf_counter()
-        config = AutoConfig.from_pretrained(src)
-        if getattr(config, "quantization_config", None) is not None:
-            raise ValueError(f"compress_checkpoint: src: {src} is compressed or quantized already (its config has a "
-                             "quantization_config); allowed: a dense checkpoint (compress a compressed model again in "
-                             "memory with hf_tensorcomp.compress)")
-        with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.name_or_path = str(src)
-        model.config._name_or_path = str(src)
-        prefix, layers = find_decoder_layers(model)
-        work = plan(model, cfg)
-        if any(len({int(n.split(".")[0]) for n in names}) > 1 for _, names in work):
-            raise ValueError("compress_checkpoint: a unit of this config spans several decoder layers (e.g. TRAWL "
-                             "formulation='whole_model' | 'segmented'); allowed: methods compressed layer by layer")
-        reader = ShardReader(src)
-        from accelerate.utils import set_module_tensor_to_device
+    return dev
 
-        layer_keys = f"{prefix}."
-        emb = model.get_input_embeddings()
-        emb_name = next(n for n, p in model.named_parameters() if p is emb.weight)
-        head = model.get_output_embeddings()
-        tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
-        if tied and head is not None:  # the skeleton ties as a loaded model does: one table, the head's
-            head.weight = emb.weight
-        lazy = {emb_name} | ({next(n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight)}
-                             if head is not None else set())  # read row by row / never read: stay on meta
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if name.startswith(layer_keys) or name in lazy:
-                continue
-            if t.device.type != "meta":  # a buffer the skeleton built itself (rotary frequencies, Gemma's scale)
-                if t.device != dev:
-                    set_module_tensor_to_device(model, name, dev)
-            elif name in reader.where:
-                value = reader.get(name)
-                set_module_tensor_to_device(model, name, dev, value=value.to(dtype) if value.is_floating_point() else value)
-        missing = [n for n in sorted(lazy) if n not in reader.where and not (tied and n != emb_name)]
-        missing += [n for n, t in model.named_parameters() if not n.startswith(layer_keys) and n not in lazy
-                    and t.device.type == "meta"]
-        if missing:
-            raise ValueError(f"compress_checkpoint: {missing[0]} is missing from the source checkpoint")
-        parent, _, attr = next(n for n, m in model.named_modules() if m is emb).rpartition(".")
-        holder = model.get_submodule(parent) if parent else model
-        with atomic_dir(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as scratch:
-            stream = LayerStream(model, reader, tmp, dtype, peak, dev)
-            if states_dir is not None:
-                stream.states_dir = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="hf-tensorcomp-states-",
-                                                                                          dir=states_dir)))
-            streamed = StreamedEmbedding(emb, reader, emb_name, dtype)
-            setattr(holder, attr, streamed)
-            try:
-                compress_model(model, cfg, work=work, stream=stream)
-            finally:
-                if getattr(holder, attr) is streamed:  # (with embedding_bits it is the quantized table by now)
-                    setattr(holder, attr, emb)
-            rest = [k for k in model.state_dict() if not k.startswith(layer_keys)]
-            if tied and "lm_head.weight" in rest:
-                rest.remove("lm_head.weight")
-            copied = [k for k in rest if k in reader.where and k not in stream.weight_map]  # unchanged by compression: copied from the source a chunk at a time
-            reader.copy_to(copied, tmp / "model-rest.safetensors", dtype)
-            weight_map = {**stream.weight_map, **{k: "model-rest.safetensors" for k in copied}}
-            made = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
-                    if k in rest and k not in reader.where and v.device.type != "meta"}
-            if made:  # persistent buffers the model builds itself
-                save_file(made, str(tmp / "model-built.safetensors"), metadata={"format": "pt"})
-                weight_map.update({k: "model-built.safetensors" for k in made})
-            total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-            model.config.quantization_config = cfg
-            model.config.dtype = dtype
-            model.config.save_pretrained(tmp)
-            from .integration.hub import write_model_card
 
-            write_model_card(model, tmp)  # how it was compressed (and healed), as in-memory saving writes it
-            for name in _COPIED:
-                if (src / name).exists():
-                    shutil.copy2(src / name, tmp / name)
-    bound = _memory_bound(reader, prefix, len(layers), model, cfg, stream.largest_written, on_disk=states_dir is not None)
-    report = {"src": str(src), "out": str(out), "layers": len(layers), "seconds": round(time.perf_counter() - t0, 1),
-              "seconds_per_layer": stream.seconds, "peak_above_start_mb": round(peak.above_start / 2**20, 1),
-              "setup_peak_above_start_mb": round(((peak.peak if peak.before_mark is None else peak.before_mark)
-                                                  - peak.start) / 2**20, 1),
-              "bound_mb": {k: round(v / 2**20, 1) for k, v in bound.items()},
-              "within_bound": peak.above_start <= bound["bound"],
-              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-              "max_memory": max_memory, "stats": cfg.stats}
-    return report
+def _skeleton(src: Path, cfg: TensorCompressionConfig, dtype: torch.dtype):
+    """(the model of checkpoint `src` on the meta device, its plan for `cfg`), refusing a compressed source and a
+    unit that spans several decoder layers."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    if getattr(config, "quantization_config", None) is not None:
+        raise ValueError(f"compress_checkpoint: src: {src} is compressed or quantized already (its config has a "
+                         "quantization_config); allowed: a dense checkpoint (compress a compressed model again in "
+                         "memory with hf_tensorcomp.compress)")
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.name_or_path = str(src)
+    model.config._name_or_path = str(src)
+    work = plan(model, cfg)
+    if any(len({int(n.split(".")[0]) for n in names}) > 1 for _, names in work):
+        raise ValueError("compress_checkpoint: a unit of this config spans several decoder layers (e.g. TRAWL "
+                         "formulation='whole_model' | 'segmented'); allowed: methods compressed layer by layer")
+    return model, work
+
+
+def _load_non_layer_tensors(model, reader: ShardReader, layer_keys: str, dtype: torch.dtype, dev: torch.device):
+    """Every tensor of the skeleton outside the decoder layers (names not starting with `layer_keys`) read from
+    the source onto `dev`, but the embedding table and the head, which stay on the meta device (the table is
+    read row by row, `StreamedEmbedding`; a tied head is the table). Returns (the input embedding, its weight's
+    name, whether the head is tied)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    emb = model.get_input_embeddings()
+    emb_name = next(n for n, p in model.named_parameters() if p is emb.weight)
+    head = model.get_output_embeddings()
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    if tied and head is not None:  # the skeleton ties as a loaded model does: one table, the head's
+        head.weight = emb.weight
+    lazy = {emb_name} | ({next(n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight)}
+                         if head is not None else set())  # read row by row / never read: stay on meta
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.startswith(layer_keys) or name in lazy:
+            continue
+        if t.device.type != "meta":  # a buffer the skeleton built itself (rotary frequencies, Gemma's scale)
+            if t.device != dev:
+                set_module_tensor_to_device(model, name, dev)
+        elif name in reader.where:
+            value = reader.get(name)
+            set_module_tensor_to_device(model, name, dev, value=value.to(dtype) if value.is_floating_point() else value)
+    missing = [n for n in sorted(lazy) if n not in reader.where and not (tied and n != emb_name)]
+    missing += [n for n, t in model.named_parameters() if not n.startswith(layer_keys) and n not in lazy
+                and t.device.type == "meta"]
+    if missing:
+        raise ValueError(f"compress_checkpoint: {missing[0]} is missing from the source checkpoint")
+    return emb, emb_name, tied
+
+
+def _write_rest(model, cfg: TensorCompressionConfig, src: Path, tmp: Path, reader: ShardReader, stream: LayerStream,
+                layer_keys: str, tied: bool, dtype: torch.dtype) -> None:
+    """Beside the layers the stream wrote: the tensors outside them (copied from the source when compression left
+    them unchanged, else saved as the model holds them), the index, the config, the model card and the
+    tokenizer's files."""
+    rest = [k for k in model.state_dict() if not k.startswith(layer_keys)]
+    if tied and "lm_head.weight" in rest:
+        rest.remove("lm_head.weight")
+    copied = [k for k in rest if k in reader.where and k not in stream.weight_map]  # unchanged by compression: copied from the source a chunk at a time
+    reader.copy_to(copied, tmp / "model-rest.safetensors", dtype)
+    weight_map = {**stream.weight_map, **{k: "model-rest.safetensors" for k in copied}}
+    made = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+            if k in rest and k not in reader.where and v.device.type != "meta"}
+    if made:  # persistent buffers the model builds itself
+        save_file(made, str(tmp / "model-built.safetensors"), metadata={"format": "pt"})
+        weight_map.update({k: "model-built.safetensors" for k in made})
+    total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    model.config.quantization_config = cfg
+    model.config.dtype = dtype
+    model.config.save_pretrained(tmp)
+    from .integration.hub import write_model_card
+
+    write_model_card(model, tmp)  # how it was compressed (and healed), as in-memory saving writes it
+    for name in _COPIED:
+        if (src / name).exists():
+            shutil.copy2(src / name, tmp / name)
 
 
 def _memory_bound(reader: ShardReader, prefix: str, n_layers: int, model, cfg: TensorCompressionConfig,

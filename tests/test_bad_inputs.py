@@ -61,6 +61,14 @@ GUARDED = [
     ("quantization and healing settings out of range", "the field named", "test_quantized.py::test_bad_quantization_settings_name_the_field"),
     ("healing that does not help", "the model left bit-identical, with a warning", "test_heal.py::test_no_improvement_leaves_the_weights_bit_identical"),
     ("streaming a config that needs the whole model", "refused up front, nothing written", "test_streaming.py::test_what_needs_the_whole_model_is_refused_up_front"),
+    # third round
+    ("streaming a source whose head shard is truncated (API, CLI --stream)", "one line naming the shard and that it is truncated, exit 2, no temporary folder (was: a hang for ever)", "test_bad_inputs.py::test_truncated_shard_streams_to_one_line_not_a_hang"),
+    ("a shard with corrupted header bytes / JSON, offsets past its end, a span unlike its shape, a bad index", "one line naming the file, before anything is sized by it; CLI exit 2", "test_bad_inputs.py::test_corrupted_shard_names_the_shard"),
+    ("a pivoted LASER checkpoint with repeated or out-of-range pivots", "refused on load naming the buffer (was: silently wrong / IndexError at the first forward)", "test_bad_inputs.py::test_corrupt_pivots_refused_on_load"),
+    ("loading a folder while another process rewrites it", "a file changed between the header check and the end of the load: refused, load again", "test_bad_inputs.py::test_folder_rewritten_while_loading_is_refused"),
+    ("qlr bits=4.0, bit_choices=[4.0, 3.0], CLI --option bits=4.0", "refused when the config is built; CLI exit 2", "test_bad_inputs.py::test_qlr_float_bits_refused_when_the_config_is_built"),
+    ("qlr rank above every matrix's full rank", "refused before weights load, with the bound; above some: a warning naming them and the bytes", "test_bad_inputs.py::test_qlr_rank_above_every_matrix_refused"),
+    ("qlr with an explicit rank (the default 32 too) and target_bytes", "refused", "test_bad_inputs.py::test_qlr_any_explicit_rank_with_target_bytes_refused"),
 ]
 
 
@@ -318,3 +326,190 @@ def test_cli_bad_invocations(case, tiny_with_tokenizer, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == before
     if case == "out_is_file":
         assert out.read_text() == "a file"
+
+
+# ---------------------------------------------------------------- third round: damaged shards, bad pivots, qlr options
+def _untied_sharded(tiny_with_tokenizer, folder):
+    """The tiny Qwen3 (untied head) in many small shards, with a tokenizer: what the issue's row 2 streams."""
+    from tiny import _tiny
+
+    torch.manual_seed(0)
+    _tiny("qwen3").save_pretrained(folder, max_shard_size="20KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(tiny_with_tokenizer) / name).exists():
+            (folder / name).write_bytes((Path(tiny_with_tokenizer) / name).read_bytes())
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    return folder / weight_map["lm_head.weight"]
+
+
+def test_truncated_shard_streams_to_one_line_not_a_hang(tiny_with_tokenizer, tmp_path):
+    """Row 2: 100 bytes cut off the shard holding the head; the reader's copy loop spun for ever on empty reads."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    shard = _untied_sharded(tiny_with_tokenizer, src)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    work = tmp_path / "work"
+    work.mkdir()
+    code = ("import sys; from hf_tensorcomp.cli import main; sys.exit(main(sys.argv[1:]))")
+    for argv in (["compress", str(src), "--stream", "--rank", "4", "--targets", "mlp.*", "--quiet", "--out",
+                  str(work / "out")],):
+        try:
+            run = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=240,
+                                 cwd=work)
+        except subprocess.TimeoutExpired:
+            pytest.fail("streaming a truncated shard did not return within 240 s")
+        err = run.stderr.strip().splitlines()
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert err[-1].startswith("hf-tensorcomp: error:") and shard.name in err[-1] and "truncated" in err[-1], err[-1]
+        assert "Traceback" not in run.stderr
+        assert os.listdir(work) == []  # no output, no temporary folder
+    with pytest.raises(ValueError, match=rf"{shard.name}.*truncated"):
+        hf_tensorcomp.compress_checkpoint(src, work / "api", laser())
+    assert os.listdir(work) == []
+
+
+@pytest.mark.parametrize("damage", ["header_length", "header_json", "header_not_object", "offsets_past_end",
+                                    "span_not_shape", "unknown_dtype", "tiny_file", "index_json", "index_escape",
+                                    "config_vocab"])
+def test_corrupted_shard_names_the_shard(tiny_with_tokenizer, tmp_path, capsys, damage):
+    """Row 3 (and item 4 for the streaming reader): a damaged header is refused in one line naming the file, before
+    anything is sized by it; the CLI exits 2 and leaves nothing behind."""
+    src = tmp_path / "src"
+    shard = _untied_sharded(tiny_with_tokenizer, src)
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    head = json.loads(data[8:8 + n])
+    bad = shard
+    if damage == "header_length":
+        shard.write_bytes(b"\xff" * 8 + data[8:])
+    elif damage == "header_json":
+        shard.write_bytes(data[:8] + b"{garbage" + data[16:])
+    elif damage == "tiny_file":
+        shard.write_bytes(data[:5])
+    elif damage == "index_json":
+        bad = src / "model.safetensors.index.json"
+        bad.write_text('{"weight_map": ')
+    elif damage == "config_vocab":  # the config's table smaller than the stored one
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "vocab_size": 90}))
+        bad = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]["model.embed_tokens.weight"]
+    elif damage == "index_escape":
+        bad = src / "model.safetensors.index.json"
+        index = json.loads(bad.read_text())
+        index["weight_map"]["lm_head.weight"] = "../../etc/passwd"
+        bad.write_text(json.dumps(index))
+    else:
+        t = head["lm_head.weight"]
+        if damage == "header_not_object":
+            head = [1, 2]
+        elif damage == "offsets_past_end":
+            t["data_offsets"] = [t["data_offsets"][0], 10**15]
+            t["shape"] = [10**15 // 4 // 48 + 1, 48]  # what the span would need: a 2e14-element allocation
+        elif damage == "span_not_shape":
+            t["shape"] = [t["shape"][0] * 1000, t["shape"][1]]
+        else:
+            t["dtype"] = "F8_E4M3"
+        text = json.dumps(head).encode()
+        text += b" " * (-len(text) % 8)
+        shard.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+    with pytest.raises(ValueError, match=rf"compress_checkpoint: .*{bad.name}"):
+        hf_tensorcomp.compress_checkpoint(src, tmp_path / "out", laser())
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+    argv = ["compress", str(src), "--stream", "--rank", "4", "--targets", "mlp.*", "--quiet", "--out", str(tmp_path / "o")]
+    capsys.readouterr()
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-tensorcomp: error:") and "\n" not in err and bad.name in err, err
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def _pivoted(tiny_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=laser(pivoted=True))
+    model.save_pretrained(tmp_path)
+    return model, load_file(tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("damage", ["repeated", "out_of_range", "negative"])
+def test_corrupt_pivots_refused_on_load(tiny_dirs, tmp_path, damage):
+    """Row 5: a repeated pivot loaded and ran silently wrong; one out of range loaded, then IndexError at the first forward."""
+    from safetensors.torch import save_file
+
+    _, tensors = _pivoted(tiny_dirs, tmp_path)
+    key = "model.layers.1.mlp.up_proj.pivots"
+    p = tensors[key].clone()
+    if damage == "repeated":
+        p[1] = p[0]
+    else:
+        p[0] = 10_000 if damage == "out_of_range" else -1
+    save_file({**tensors, key: p}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.pivots: .*checkpoint is corrupt"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_folder_rewritten_while_loading_is_refused(tiny_dirs, tmp_path, monkeypatch, ids):
+    """Row 6: the headers checked and the tensors loaded came from different saves when another process rewrote the
+    folder in between (a load that succeeded, then crashed or ran wrong). Here the rewrite lands right after the
+    header check: another model of the same shapes (another dense model's factors)."""
+    from hf_tensorcomp import checks
+    from tiny import _tiny
+
+    model, _ = _pivoted(tiny_dirs, tmp_path)
+    torch.manual_seed(5)
+    other_dense = tmp_path.parent / f"{tmp_path.name}-other"
+    _tiny("llama").save_pretrained(other_dense)
+    other = AutoModelForCausalLM.from_pretrained(other_dense, quantization_config=laser(pivoted=True))
+    check = checks.check_checkpoint_tensors
+
+    def rewritten(*args, **kw):
+        check(*args, **kw)
+        other.save_pretrained(tmp_path)  # the other process's save lands now
+
+    monkeypatch.setattr(checks, "check_checkpoint_tensors", rewritten)
+    with pytest.raises(ValueError, match=r"model\.safetensors: changed while the checkpoint loaded"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    monkeypatch.setattr(checks, "check_checkpoint_tensors", check)
+    with torch.no_grad():  # once the writer is done, the load gives the model written
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path).eval()(ids).logits, other.eval()(ids).logits)
+
+
+@pytest.mark.parametrize("kw, field", [(dict(rank=4, bits=4.0), "bits"), (dict(target_bytes=0.4, bit_choices=[4.0, 3.0]), "bit_choices"),
+                                       (dict(rank=4, bits=4.5), "bits"), (dict(rank=4, factor_bits=8.0), "factor_bits"),
+                                       (dict(rank=4, embedding_bits=8.0), "embedding_bits")])
+def test_qlr_float_bits_refused_when_the_config_is_built(kw, field, tiny_with_tokenizer, tmp_path, capsys):
+    """Row 13: bits=4.0 (== 4) was accepted, calibration ran, then a raw TypeError in the quantizer; factor_bits=8.0 and
+    embedding_bits=8.0 the same (found beside it)."""
+    with pytest.raises(ValueError, match=rf"{field}: got"):
+        TensorCompressionConfig(method="qlr", calibration="wikipedia", **kw)
+    if field == "bits":
+        argv = ["compress", str(tiny_with_tokenizer), "--method", "qlr", "--rank", "4", "--option", f"bits={kw['bits']}",
+                "--no-eval", "--quiet", "--out", str(tmp_path / "out")]
+        assert cli(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("hf-tensorcomp: error:") and "bits: got" in err and "\n" not in err, err
+        assert not (tmp_path / "out").exists()
+
+
+def test_qlr_rank_above_every_matrix_refused(tiny_dirs):
+    """Row 14: rank=1000 was cut silently to each matrix's full rank (more bytes than the dense model); refused as
+    LASER refuses it, before any weight loads. A rank above some matrices' full rank only: cut there, with a warning
+    naming them and the bytes."""
+    cfg = TensorCompressionConfig(method="qlr", rank=1000, calibration=calib(), progress=False, group_size=16)
+    with pytest.raises(ValueError, match=r"rank: got 1000 but the largest full rank .* is 48 .*allowed: an int in \[0, 48\]"):
+        AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
+    cfg = TensorCompressionConfig(method="qlr", rank=32, calibration=calib(), progress=False, group_size=16,
+                                  targets=["self_attn.*_proj"], layers=[0])
+    with pytest.warns(UserWarning, match=r"qlr rank=32 is above the full rank of self_attn\.k_proj, self_attn\.v_proj "
+                                         r"\(16, 16\): cut to it there; .* bytes"):
+        AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
+
+
+@pytest.mark.parametrize("rank", [32, 8, 0])
+def test_qlr_any_explicit_rank_with_target_bytes_refused(rank):
+    """Row 15: rank=32 with target_bytes was ignored silently because 32 is the default (rank=8 was refused)."""
+    with pytest.raises(ValueError, match=rf"rank: got {rank}; allowed: None with target_bytes="):
+        TensorCompressionConfig(method="qlr", rank=rank, target_bytes=0.4, calibration="wikipedia")
+    assert TensorCompressionConfig(method="qlr", target_bytes=0.4, calibration="wikipedia").rank is None

@@ -327,7 +327,7 @@ def test_relative_allocation_ignores_the_fisher_scale():
             st = ModuleStats({"gram"})
             st.add(x)
             st.fisher = fisher * scale
-            _, losses[allocation, scale] = laser.ladder("m", lin, st, entry)
+            _, losses[allocation, scale] = laser.ladder("m", lin, st, entry, laser.start_allocation(entry))
     assert losses["relative", 1.0] == pytest.approx(losses["relative", 100.0])
     assert losses["relative", 1.0][0] < 1.0 and losses["relative", 1.0][-1] == 0.0  # fractions of the whole
     assert losses["global", 100.0][0] == pytest.approx(100.0 * losses["global", 1.0][0])

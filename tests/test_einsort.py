@@ -1,4 +1,4 @@
-"""EinSort: sorted tensorization math (decompositions.einsort / tensor_networks) and the einsort weight method."""
+"""EinSort: sorted tensorization math (methods.einsort.decomposition / decompositions.tensor_networks) and the einsort weight method."""
 
 import json
 import math
@@ -9,9 +9,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from hf_tensorcomp import TensorCompressionConfig
-from hf_tensorcomp.decompositions import einsort
+from hf_tensorcomp.methods.einsort import decomposition as einsort
 from hf_tensorcomp.decompositions.tensor_networks import bond_ranks, decompose, fit_network, gauge_fix
-from hf_tensorcomp.layers import EinSortLinear
+from hf_tensorcomp.methods.einsort import EinSortLinear
 from hf_tensorcomp.methods.einsort import activation_scales, save_activation_scales
 
 from tiny import ARCHS, rel_err

@@ -9,7 +9,7 @@ from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from hf_tensorcomp import EinSortCache
-from hf_tensorcomp.cache import EinSortLayer
+from hf_tensorcomp.methods.einsort import EinSortLayer
 from tiny import VOCAB, _tiny, rel_err
 
 LOSSLESS = dict(rank=1000, segment=4, residual=3)  # several segments compressed in prefill and while decoding
@@ -283,7 +283,7 @@ def test_bad_settings_name_the_field(llama, kwargs, field):
 
 def _count_rebuilds(monkeypatch) -> list[int]:
     """Patch the batched rebuild: the returned list gets the number of segments of each call."""
-    from hf_tensorcomp.cache import einsort_cache
+    from hf_tensorcomp.methods.einsort import cache as einsort_cache
 
     calls = []
     real = einsort_cache.rebuild_segments
@@ -355,8 +355,8 @@ def test_budget_too_small_fails_at_construction(llama):
 
 @pytest.mark.parametrize("width", range(0, 21))
 def test_packed_indices_read_back_exactly(width):
-    from hf_tensorcomp.cache.einsort_cache import _unpack
-    from hf_tensorcomp.decompositions.einsort import from_bits, pack_bits, to_bits, unpack_bits
+    from hf_tensorcomp.methods.einsort.segments import _unpack
+    from hf_tensorcomp.methods.einsort.decomposition import from_bits, pack_bits, to_bits, unpack_bits
 
     g = torch.Generator().manual_seed(width)
     for count in (1, 3, 64, 333):
@@ -377,7 +377,7 @@ def test_packed_indices_read_back_exactly(width):
 def test_batched_rebuild_equals_each_segment_rebuilt(network, sort, span, nonnegative, mapping):
     """`rebuild_segments` on stacked packed segments (pivot decoding, the flattened unsorting scatter, signs)
     gives each segment's own `reconstruct`, also when written into a strided view."""
-    from hf_tensorcomp.cache.einsort_cache import EinSortCacheSettings, compress_segment, rebuild_segments
+    from hf_tensorcomp.methods.einsort.segments import EinSortCacheSettings, compress_segment, rebuild_segments
 
     g = torch.Generator().manual_seed(5)
     settings = EinSortCacheSettings.build(network=network, rank=3, sort=sort, sort_span=span, nonnegative=nonnegative,
@@ -406,7 +406,7 @@ def _outlier_channels(g) -> torch.Tensor:
 def test_quantized_error_alone_is_within_half_a_step(keys):
     """Rank 0: the segment is its quantization; every value within half a step of its group's grid, the groups
     running along tokens (keys) or along channels (values)."""
-    from hf_tensorcomp.cache.einsort_cache import EinSortCacheSettings, compress_segment
+    from hf_tensorcomp.methods.einsort.segments import EinSortCacheSettings, compress_segment
 
     x = _outlier_channels(torch.Generator().manual_seed(1))
     seg = compress_segment(x, EinSortCacheSettings.build(rank=0, segment=16, sort=None, nonnegative=False, error_bits=4), keys=keys)
@@ -421,7 +421,7 @@ def test_quantized_error_alone_is_within_half_a_step(keys):
 def test_quantized_error_grouping_and_bits_matter():
     """Keys grouped along tokens beat the values' grouping on outlier channels; more bits, less error; a fit
     underneath lowers it further."""
-    from hf_tensorcomp.cache.einsort_cache import EinSortCacheSettings, compress_segment
+    from hf_tensorcomp.methods.einsort.segments import EinSortCacheSettings, compress_segment
 
     x = _outlier_channels(torch.Generator().manual_seed(2))
 

@@ -104,7 +104,7 @@ def test_healing_on_gpu_lowers_the_held_out_loss(tiny_dirs, mode):
     """`heal` on a model on the GPU: the teacher (reloaded from the recorded source) goes beside it, the training runs
     there under the device's precision, windows sampled from the teacher included, and the best iterate is kept."""
     import hf_tensorcomp
-    from hf_tensorcomp.healing import resolve_precision
+    from hf_tensorcomp.training import resolve_precision
 
     model = load(tiny_dirs["llama"], "cuda", method="laser", rank=4)
     cal = torch.randint(0, VOCAB, (16, 32), generator=torch.Generator().manual_seed(5))

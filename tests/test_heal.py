@@ -30,7 +30,7 @@ SETTINGS = dict(calibration=calib(), samples=16, length=32, eval_every=10, progr
 
 @pytest.mark.parametrize("precision", ["auto", "float32", "bfloat16"])
 def test_healing_lowers_the_held_out_distillation_loss(tiny_dirs, precision):
-    from hf_tensorcomp.healing import resolve_precision
+    from hf_tensorcomp.training import resolve_precision
 
     model = compressed(tiny_dirs)
     report = hf_tensorcomp.heal(model, steps=40, lr=3e-3, precision=precision, **SETTINGS)  # teacher: the recorded dense source
@@ -59,7 +59,7 @@ def test_the_teachers_held_out_states_are_computed_once(tiny_dirs):
     function (log-probabilities, nothing to split) is run again and nothing is cached."""
     import torch.nn.functional as F
 
-    from hf_tensorcomp.healing import held_out_loss
+    from hf_tensorcomp.training import held_out_loss
 
     model = compressed(tiny_dirs)
     teacher = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
@@ -83,7 +83,7 @@ def test_bfloat16_on_a_cpu_without_native_products_warns(monkeypatch, native):
     a warning that it is slower there than float32."""
     import warnings
 
-    from hf_tensorcomp.healing import resolve_precision
+    from hf_tensorcomp.training import resolve_precision
 
     for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         monkeypatch.setattr(torch.cpu, probe, lambda: native, raising=False)
@@ -122,7 +122,7 @@ def test_every_scores_every_kth_position_with_the_head_run_on_those_alone(tiny_d
     positions 0, 3, 6, ... computed from the full logits, and the head saw only those positions."""
     import torch.nn.functional as F
 
-    from hf_tensorcomp.healing import distill
+    from hf_tensorcomp.training import DistillSettings, distill
 
     model, teacher = compressed(tiny_dirs), AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
     ids = calib(n=2, length=31)
@@ -136,8 +136,8 @@ def test_every_scores_every_kth_position_with_the_head_run_on_those_alone(tiny_d
     rows = []
     head = model.get_output_embeddings()
     head.register_forward_hook(lambda mod, a, out: rows.append(a[0].shape[:-1].numel()))
-    run = distill(model, teacher, ids, [p for p in model.parameters() if p.dim() == 1][:1], 1, lr=0.0, batch_size=2,
-                  shuffle=False, every=3, lm_weight=lm_weight, progress=False)
+    run = distill(model, teacher, ids, [p for p in model.parameters() if p.dim() == 1][:1],
+                  DistillSettings(1, lr=0.0, batch_size=2, shuffle=False, every=3, lm_weight=lm_weight, progress=False))
     assert run["losses"][0] == pytest.approx(want, rel=1e-5)
     assert rows[-1] == ids.shape[0] * len(at)  # the training step's head call (the calls before: the split's check)
 
@@ -151,7 +151,7 @@ def test_the_chunked_loss_is_the_whole_logits_loss_with_the_same_gradients(tiny_
     reproduce (its logits doubled here); a student whose tied head and embedding are 8-bit codes as well."""
     import torch.nn.functional as F
 
-    from hf_tensorcomp import healing
+    from hf_tensorcomp import training
 
     arch = "gemma3" if case.startswith("gemma3") else "llama"
     student, teacher = (AutoModelForCausalLM.from_pretrained(tiny_dirs[arch]).eval() for _ in range(2))
@@ -180,16 +180,16 @@ def test_the_chunked_loss_is_the_whole_logits_loss_with_the_same_gradients(tiny_
     grads = {n: p.grad.clone() for n, p in student.named_parameters()}
     student.zero_grad(set_to_none=True)
 
-    monkeypatch.setattr(healing, "CHUNK_ELEMENTS", VOCAB * 7)  # 7 rows a chunk: 60 rows in 9 chunks
-    s_loss, t_loss = healing.LogitLoss(student, ids), healing.LogitLoss(teacher, ids)
+    monkeypatch.setattr(training, "CHUNK_ELEMENTS", VOCAB * 7)  # 7 rows a chunk: 60 rows in 9 chunks
+    s_loss, t_loss = training.LogitLoss(student, ids), training.LogitLoss(teacher, ids)
     assert (s_loss.split is None) == (case == "unknown_head") and (t_loss.split is None) == (case == "unknown_head")
     hs = s_loss.hidden(ids)
     with torch.no_grad():
         ht = t_loss.hidden(ids).flatten(0, 1)
     leaf = hs.detach().flatten(0, 1).requires_grad_()
-    targets = healing.next_tokens(ids, torch.arange(20))
+    targets = training.next_tokens(ids, torch.arange(20))
     assert targets.tolist() == torch.cat([ids[:, 1:], torch.full((3, 1), -100)], 1).flatten().tolist()
-    kl, nll = healing.chunked_losses(s_loss, t_loss, leaf, ht, targets, (1 / 60, 0.5 / 57), backward=True)
+    kl, nll = training.chunked_losses(s_loss, t_loss, leaf, ht, targets, (1 / 60, 0.5 / 57), backward=True)
     hs.backward(leaf.grad.view_as(hs))
     assert kl + nll == pytest.approx(float(want.detach()), rel=1e-5)
     for n, p in student.named_parameters():
@@ -231,7 +231,8 @@ def test_the_kept_iterate_is_the_best_by_the_loss_trained(tiny_dirs, monkeypatch
         seen.append([p.detach().clone() for p in student.parameters()])
         return next(script)
 
-    monkeypatch.setattr(hf_tensorcomp.healing, "held_out_loss", scripted)
+    monkeypatch.setattr(hf_tensorcomp.healing, "held_out_loss", scripted)  # the start's score
+    monkeypatch.setattr(hf_tensorcomp.training, "held_out_loss", scripted)  # distill's
     report = hf_tensorcomp.heal(model, steps=20, lr=3e-3, lm_weight=lm_weight, **SETTINGS)
     assert report["improved"] and report["best_step"] == kept and len(seen) == 3
     assert [report["held_out_kl_after"], report["held_out_ppl_after"]] == report["held_out_steps"][kept // 10][1:]
@@ -380,7 +381,7 @@ def test_calibration_defaults_to_both_corpora_where_needed_only():
 
 
 def test_relative_steps_scale_each_entry_by_its_own_size():
-    from hf_tensorcomp.healing import RelativeSteps
+    from hf_tensorcomp.training import RelativeSteps
 
     p = torch.nn.Parameter(torch.tensor([1e-6, -2.0, 0.0, 300.0]))
     start = p.detach().clone()

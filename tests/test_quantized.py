@@ -15,7 +15,7 @@ from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
 from hf_tensorcomp.decompositions.quantize import (Int4Kernel, gptq_plan, int4_kernel_available, pack, quantize_gptq,
                                                   quantize_rtn, stored_bytes, unpack)
 from hf_tensorcomp.decompositions.svd import whitened_svd, whitening_factor
-from hf_tensorcomp.layers import QuantizedLowRankLinear
+from hf_tensorcomp.methods.qlr import QuantizedLowRankLinear
 from tiny import VOCAB, reloads_identically
 
 
@@ -372,7 +372,7 @@ def test_a_shared_input_is_rotated_once_with_bit_identical_outputs(tiny_dirs, id
     """q / k / v read the attention's input and gate / up the MLP's: with the rotation handed over by the parent,
     4 rotations a layer instead of 7, the same logits to the bit, after a reload too; a child called on
     another tensor rotates that one."""
-    import hf_tensorcomp.layers.qlr as qlr_layer
+    import hf_tensorcomp.methods.qlr.layer as qlr_layer
 
     cfg = TensorCompressionConfig(method="qlr", calibration=calib(), progress=False, group_size=16, rank=4, rotate=True)
     m = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], quantization_config=cfg).eval()
@@ -597,7 +597,7 @@ def test_embedding_bits_are_refused_twice(tiny_dirs, tmp_path):
 
 
 def test_with_calibration_the_tied_table_is_gptq_on_the_heads_inputs(tiny_dirs):
-    from hf_tensorcomp.pipeline import head_gram
+    from hf_tensorcomp.embedding_tables import head_gram
 
     dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
     cfg = TensorCompressionConfig(method="laser", rank=1.0, progress=False, embedding_bits=4, embedding_group_size=16,

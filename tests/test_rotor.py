@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hf_tensorcomp.decompositions import clifford as cl
+from hf_tensorcomp.methods.rotor import decomposition as cl
 from hf_tensorcomp.decompositions.hadamard import hadamard_transform
 
 torch.set_default_dtype(torch.float32)
@@ -226,10 +226,10 @@ def test_hadamard_transform_matches_sylvester_matrix():
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
-from hf_tensorcomp.layers import BlockHadamardLinear, LowRankLinear, RotorLinear, build_from_spec  # noqa: E402
-from hf_tensorcomp.layers.rotor import rotor_param_count, windows  # noqa: E402
+from hf_tensorcomp.layers import BlockHadamardLinear, LowRankLinear, build_from_spec  # noqa: E402
+from hf_tensorcomp.methods.rotor.layer import RotorLinear, rotor_param_count, windows  # noqa: E402
 from hf_tensorcomp.methods import get_method  # noqa: E402
-from hf_tensorcomp.healing import fit, lr_schedule, relative_mse  # noqa: E402
+from hf_tensorcomp.training import fit, lr_schedule, relative_mse  # noqa: E402
 
 
 @pytest.mark.parametrize("d_in, d_out, expect", [
@@ -342,7 +342,7 @@ def test_fit_low_rank_recovers_a_rank_one_map_and_is_deterministic():
         dense.weight.copy_(torch.outer(torch.randn(d_out, generator=_g(1)), torch.randn(d_in, generator=_g(2))))
     x = torch.randn(2048, d_in, generator=_g(3))
     opts = {"seed": 0}
-    from hf_tensorcomp.methods.rotor import build
+    from hf_tensorcomp.methods.rotor.method import build
 
     runs = []
     for _ in range(2):
@@ -468,7 +468,7 @@ def test_attention_statistic_records_calls_that_replay_the_block(arch, tiny_dirs
     from transformers import AutoModelForCausalLM
 
     from hf_tensorcomp.calibration.stats import StatsHooks
-    from hf_tensorcomp.methods.rotor import _rerun
+    from hf_tensorcomp.methods.rotor.method import _rerun
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch]).eval()
     layer = model.model.layers[1]
@@ -522,8 +522,8 @@ def test_trains_when_loaded_under_no_grad(tiny_dirs):
 @pytest.mark.parametrize("structure", ["lr1", "bh1"])
 def test_trained_stand_in_never_worse_than_its_closed_form_start(tiny_dirs, structure):
     """LR and BH start from their least-squares fit; a rate that only hurts leaves them there."""
-    from hf_tensorcomp.methods.rotor import build, closed_form_start
-    from hf_tensorcomp.healing import fit, relative_mse
+    from hf_tensorcomp.methods.rotor.method import build, closed_form_start
+    from hf_tensorcomp.training import fit, relative_mse
 
     lin = torch.nn.Linear(48, 48)
     x = torch.randn(512, 48, generator=_g(3)) @ torch.randn(48, 48, generator=_g(4))

@@ -207,6 +207,24 @@ def load_bigbench_task(
     if subtask is not None and not isinstance(subtask, str):
         raise ValueError(f"subtask must be None or a str, got {subtask!r}")
 
+    info = _bigbench_task_info(name, subtask)
+    root = _bigbench_dir() / name
+    if subtask is not None:
+        examples = _bigbench_examples(root / subtask / "task.json", subtask, prompt)
+    elif info["subtasks"]:
+        parts = [_bigbench_examples(root / s / "task.json", s, prompt) for s in info["subtasks"]]
+        examples = [ex for row in _round_robin(parts) for ex in row]
+    else:
+        examples = _bigbench_examples(root / "task.json", None, prompt)
+    if not examples:
+        where = name if subtask is None else f"{name}/{subtask}"
+        raise ValueError(f"BIG-bench task {where!r} has no multiple-choice examples (target_scores)")
+    return examples
+
+
+def _bigbench_task_info(name: str, subtask: str | None) -> dict:
+    """The index entry of JSON task `name` (its files fetched from the sdist if not cached yet), refusing an
+    unknown or programmatic task and an unknown subtask."""
     index = _read_bigbench_index()
     if index is None or (name in index["tasks"] and not all(
         (_bigbench_dir() / f).is_file() for f in _bigbench_task_files(name, index)
@@ -228,19 +246,7 @@ def load_bigbench_task(
     if subtask is not None and subtask not in info["subtasks"]:
         allowed = ", ".join(info["subtasks"]) if info["subtasks"] else f"none ({name!r} has no subtasks)"
         raise ValueError(f"unknown subtask={subtask!r} of BIG-bench task {name!r}; allowed: {allowed}")
-
-    root = _bigbench_dir() / name
-    if subtask is not None:
-        examples = _bigbench_examples(root / subtask / "task.json", subtask, prompt)
-    elif info["subtasks"]:
-        parts = [_bigbench_examples(root / s / "task.json", s, prompt) for s in info["subtasks"]]
-        examples = [ex for row in _round_robin(parts) for ex in row]
-    else:
-        examples = _bigbench_examples(root / "task.json", None, prompt)
-    if not examples:
-        where = name if subtask is None else f"{name}/{subtask}"
-        raise ValueError(f"BIG-bench task {where!r} has no multiple-choice examples (target_scores)")
-    return examples
+    return info
 
 
 def _round_robin(lists: list[list]) -> list[list]:

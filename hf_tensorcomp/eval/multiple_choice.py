@@ -113,6 +113,27 @@ def multiple_choice_accuracy(
         ``"subtask"``) and ``scores`` if ``return_scores``. Deterministic for a given model,
         examples and settings (fp64 accumulation).
     """
+    _check_settings(normalize, max_examples, batch_size, delimiter)
+    examples = list(examples)[:max_examples]
+    if not examples:
+        raise ValueError("examples is empty: nothing to score")
+    _check_examples(examples)
+
+    t0 = time.perf_counter()
+    bos = bos_prefix(tokenizer, add_bos)
+    seqs, owner = _sequences(tokenizer, examples, bos, delimiter)
+    sums, n_tok = _score_sequences(model, tokenizer, seqs, batch_size, progress)
+    scores: list[list[tuple[float, int]]] = [[] for _ in examples]
+    for s, (i, _) in enumerate(owner):
+        scores[i].append((sums[s], n_tok[s]))
+    out = _report(examples, scores, normalize, dict(n_sequences=len(seqs), n_tokens=sum(n_tok), add_bos=bool(bos),
+                                                    seconds=time.perf_counter() - t0))
+    if return_scores:
+        out["scores"] = scores
+    return out
+
+
+def _check_settings(normalize: str, max_examples, batch_size, delimiter) -> None:
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"unknown normalize={normalize!r}; allowed: {', '.join(NORMALIZATIONS)}")
     if max_examples is not None and (isinstance(max_examples, bool) or not isinstance(max_examples, int)
@@ -122,18 +143,11 @@ def multiple_choice_accuracy(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not isinstance(delimiter, str):
         raise ValueError(f"delimiter must be a str, got {delimiter!r}")
-    examples = list(examples)[:max_examples]
-    if not examples:
-        raise ValueError("examples is empty: nothing to score")
-    _check_examples(examples)
 
-    from tqdm.auto import tqdm
 
-    t0 = time.perf_counter()
-    bos = bos_prefix(tokenizer, add_bos)
-    add_bos = bool(bos)
-
-    # one sequence per (example, choice): (token ids, index of the first scored token)
+def _sequences(tokenizer, examples: list[dict], bos: list[int], delimiter: str):
+    """(one sequence per (example, choice): (token ids, index of the first scored token), its (example, choice)),
+    tokenized as `multiple_choice_accuracy` describes."""
     seqs: list[tuple[list[int], int]] = []
     owner: list[tuple[int, int]] = []
     for i, ex in enumerate(examples):
@@ -153,6 +167,13 @@ def multiple_choice_accuracy(
                 )
             seqs.append((bos + full_ids, len(bos) + k))
             owner.append((i, j))
+    return seqs, owner
+
+
+def _score_sequences(model, tokenizer, seqs: list[tuple[list[int], int]], batch_size: int, progress: bool):
+    """(sum of the scored tokens' log-probabilities, their count) of each sequence: longest first,
+    ``batch_size`` a forward pass, right-padded with an attention mask, the model in eval mode meanwhile."""
+    from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -191,10 +212,12 @@ def multiple_choice_accuracy(
                 bar.update(len(batch))
     finally:
         model.train(was_training)
+    return sums, n_tok
 
-    scores: list[list[tuple[float, int]]] = [[] for _ in examples]
-    for s, (i, _) in enumerate(owner):
-        scores[i].append((sums[s], n_tok[s]))
+
+def _report(examples: list[dict], scores: list[list[tuple[float, int]]], normalize: str, extra: dict) -> dict:
+    """Accuracy under each normalization, chance, the predictions (for ``normalize``), `extra`, and the
+    accuracies by subtask."""
 
     def pick(sc: list[tuple[float, int]], how: str) -> int:
         values = [v / n if how == "length" else v for v, n in sc]
@@ -222,20 +245,11 @@ def multiple_choice_accuracy(
         }
 
     out = summary(list(range(len(examples))))
-    out.update(
-        normalize=normalize,
-        predictions=predictions,
-        n_sequences=len(seqs),
-        n_tokens=sum(n_tok),
-        add_bos=bool(add_bos),
-        seconds=time.perf_counter() - t0,
-    )
+    out.update(normalize=normalize, predictions=predictions, **extra)
     subtasks: dict[str, list[int]] = {}
     for i, ex in enumerate(examples):
         if "subtask" in ex:
             subtasks.setdefault(str(ex["subtask"]), []).append(i)
     if subtasks:
         out["by_subtask"] = {name: summary(idx) for name, idx in sorted(subtasks.items())}
-    if return_scores:
-        out["scores"] = scores
     return out

@@ -7,6 +7,7 @@ must); activations stay in float.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -57,9 +58,10 @@ def without_inference_mode(model: nn.Module) -> None:
     model.forward = run
 
 
-def stored_bytes(model: nn.Module) -> int:
+def stored_bytes(model: nn.Module, float_bytes: int | None = None) -> int:
     """Bytes of every tensor in the state dict as held: quantized tensor subclasses (optimum-quanto) by their
-    stored parts (data, scales, shifts), tied tensors once."""
+    stored parts (data, scales, shifts), tied tensors once. `float_bytes` (e.g. 2): floating tensors counted
+    at that many bytes a value instead (a dense model's size in bfloat16, without casting it)."""
     seen, total = set(), 0
 
     def add(t):
@@ -69,11 +71,39 @@ def stored_bytes(model: nn.Module) -> int:
                 add(getattr(t, name))
         elif t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
-            total += t.numel() * t.element_size()
+            total += t.numel() * (float_bytes if float_bytes and t.is_floating_point() else t.element_size())
 
     for t in model.state_dict().values():
         add(t)
     return total
 
 
-__all__ = ["QUANTO_BITS", "quanto_weight_only", "stored_bytes", "without_inference_mode"]
+def stored_values(model: nn.Module) -> int:
+    """Numbers the model stores, each once: every value of a float tensor, every integer code of a quantized
+    weight (one per weight it stands for, however many share a byte), every scale, zero point and other
+    buffer of the state dict; tied tensors once. ``num_parameters()`` misses quantized codes (they are
+    buffers): a model quantized to 4 bits "has" a few scales and biases, while it stores as many values as
+    before, in fewer bytes. optimum-quanto's tensors count their logical size plus their scales and shifts."""
+    from ..layers.base import FactorizedModule
+
+    codes = {}  # a packed code buffer's key -> the weights it stands for
+    for m in model.modules():
+        if isinstance(m, FactorizedModule):
+            for name, (_, _, shape, _) in m.__dict__.get("_qfactors", {}).items():
+                t = m._buffers.get(name)
+                if t is not None:
+                    codes[(t.data_ptr(), t.numel(), t.dtype)] = math.prod(shape)
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        if hasattr(t, "__tensor_flatten__"):  # quanto: the logical tensor, plus its scales / shifts
+            total += t.numel() + sum(getattr(t, n).numel() for n in t.__tensor_flatten__()[0] if n != "_data")
+        else:
+            total += codes.get(key, t.numel())
+    return total
+
+
+__all__ = ["QUANTO_BITS", "quanto_weight_only", "stored_bytes", "stored_values", "without_inference_mode"]

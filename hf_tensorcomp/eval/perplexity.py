@@ -95,46 +95,68 @@ def perplexity(
     """
     if isinstance(texts, str):
         texts = [texts]
-    if not isinstance(context_length, int) or context_length < 1:
-        raise ValueError(f"context_length must be a positive int, got {context_length!r}")
-    if not isinstance(stride, int) or stride < 1:
-        raise ValueError(f"stride must be a positive int, got {stride!r}")
+    _check_settings(context_length, stride, max_tokens, batch_size)
     stride = min(stride, context_length)  # a larger stride would skip text
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 2):
-        raise ValueError(f"max_tokens must be None or an int >= 2, got {max_tokens!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-
-    from tqdm.auto import tqdm
 
     ids = tokenizer("\n\n".join(texts), add_special_tokens=False, verbose=False)["input_ids"]
     if max_tokens is not None:
         ids = ids[:max_tokens]
     bos = bos_prefix(tokenizer, add_bos)
-    add_bos = bool(bos)
     if len(ids) + len(bos) < 2:
         raise ValueError("texts are too short: need at least 2 tokens to score")
     if context_length + len(bos) < 2:
         raise ValueError("context_length must be >= 2 without a BOS token")
 
-    device = next(model.parameters()).device
-    keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
     windows = _windows(len(ids), context_length, stride)
-    # batch consecutive windows of the same (length, n_target)
+    t0 = time.perf_counter()
+    nll_sum, n_scored = _score(model, ids, bos, _batches(windows, batch_size), len(windows), progress)
+    nll = nll_sum / n_scored
+    return {
+        "ppl": math.exp(nll),
+        "nll": nll,
+        "n_tokens": n_scored,
+        "n_windows": len(windows),
+        "context_length": context_length,
+        "stride": stride,
+        "add_bos": bool(bos),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _check_settings(context_length, stride, max_tokens, batch_size) -> None:
+    if not isinstance(context_length, int) or context_length < 1:
+        raise ValueError(f"context_length must be a positive int, got {context_length!r}")
+    if not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"stride must be a positive int, got {stride!r}")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 2):
+        raise ValueError(f"max_tokens must be None or an int >= 2, got {max_tokens!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+
+
+def _batches(windows: list[tuple[int, int, int]], batch_size: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive windows of the same (length, n_target), up to ``batch_size`` a batch."""
     batches: list[list[tuple[int, int, int]]] = []
     for w in windows:
         if batches and len(batches[-1]) < batch_size and _key(batches[-1][0]) == _key(w):
             batches[-1].append(w)
         else:
             batches.append([w])
+    return batches
 
+
+def _score(model, ids: list[int], bos: list[int], batches, n_windows: int, progress: bool) -> tuple[float, int]:
+    """(summed negative log-likelihood, tokens scored) over the windows' batches, the model in eval mode meanwhile."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
     was_training = model.training
     model.eval()
     nll_sum = 0.0
     n_scored = 0
-    t0 = time.perf_counter()
     try:
-        with tqdm(total=len(windows), desc="perplexity", disable=not progress, unit="win") as bar:
+        with tqdm(total=n_windows, desc="perplexity", disable=not progress, unit="win") as bar:
             for batch in batches:
                 rows = [bos + ids[b:e] for b, e, _ in batch]
                 inp = torch.tensor(rows, dtype=torch.long, device=device)
@@ -153,18 +175,7 @@ def perplexity(
                 bar.update(len(batch))
     finally:
         model.train(was_training)
-
-    nll = nll_sum / n_scored
-    return {
-        "ppl": math.exp(nll),
-        "nll": nll,
-        "n_tokens": n_scored,
-        "n_windows": len(windows),
-        "context_length": context_length,
-        "stride": stride,
-        "add_bos": bool(add_bos),
-        "seconds": time.perf_counter() - t0,
-    }
+    return nll_sum, n_scored
 
 
 def _key(w: tuple[int, int, int]) -> tuple[int, int]:

@@ -26,8 +26,9 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as _LoraLinear
 
 from ..layout import set_tied_embeddings
-from ..layers import (EinSortLinear, HeadTuckerProjection, LowRankLinear, QuantizedEmbedding, QuantizedHead, QuantizedLowRankLinear,
-                      TensorSlice)
+from ..layers import HeadTuckerProjection, LowRankLinear, QuantizedEmbedding, QuantizedHead, TensorSlice
+from ..methods.einsort import EinSortLinear
+from ..methods.qlr import QuantizedLowRankLinear
 
 
 class LoraFactored(_LoraLinear):

@@ -20,7 +20,7 @@ from ..plan import plan
 from .io import make_save_atomic
 from ..config import QUANT_METHOD, TensorCompressionConfig
 from ..layers import FactorizedModule
-from ..layers.qlr import share_input_rotations
+from ..methods.qlr import share_input_rotations
 from ..methods import get_method
 
 register_quantization_config(QUANT_METHOD)(TensorCompressionConfig)
@@ -62,8 +62,9 @@ class TensorCompQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
             surgery.build_skeleton(model, self.quantization_config)
-            checks.check_checkpoint_tensors(model, self.quantization_config.compressed_modules,
-                                            kwargs.get("checkpoint_files"))
+            files = kwargs.get("checkpoint_files")
+            self._files = checks.checkpoint_identity(self.quantization_config, files)  # before the headers are read
+            checks.check_checkpoint_tensors(model, self.quantization_config.compressed_modules, files)
         else:
             self._work = plan(model, self.quantization_config)
         return model
@@ -71,7 +72,8 @@ class TensorCompQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         make_save_atomic(model)  # save_pretrained writes a temporary folder and swaps it in
         if self.pre_quantized:
-            checks.check_loaded(model)  # factors finite, EinSort indices valid
+            checks.check_unchanged(getattr(self, "_files", {}))  # no other save's files read meanwhile
+            checks.check_loaded(model)  # factors finite, EinSort indices and LASER pivots valid
             _own_aligned_memory(model)
             share_input_rotations(model)
         else:

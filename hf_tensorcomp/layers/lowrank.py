@@ -84,6 +84,22 @@ class LowRankLinear(FactorizedModule):
                 m.bias.copy_(bias.to(m.weight.dtype))
         return m
 
+    def validate_loaded(self, name: str) -> None:
+        """After loading: the stored ``pivots`` must be a permutation of the input's columns (a repeated column
+        would run silently wrong, one out of range fail at the first forward), as EinSort's indices are checked."""
+        p = self.pivots
+        if p is None or p.device.type == "meta":
+            return
+        problem = None
+        if p.dtype not in (torch.int32, torch.int64) or tuple(p.shape) != (self.in_features,):
+            problem = f"{p.dtype} of shape {list(p.shape)}, not int32 of shape [{self.in_features}]"
+        elif p.numel() and not 0 <= int(p.min()) <= int(p.max()) < self.in_features:
+            problem = f"holds {int(p.min())}..{int(p.max())}, outside the input's columns 0..{self.in_features - 1}"
+        elif torch.unique(p).numel() != self.in_features:
+            problem = f"repeats {self.in_features - torch.unique(p).numel()} column(s); allowed: a permutation"
+        if problem:
+            raise ValueError(f"{name}.pivots: {problem}; the checkpoint is corrupt (re-create or re-download it)")
+
     @property
     def _split(self) -> int:
         return self.in_features - self.rank if self.pivots is not None else self.in_features

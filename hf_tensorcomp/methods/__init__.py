@@ -1,4 +1,6 @@
-"""Compression methods. Each one is a `Method` subclass in its own file, registered by name."""
+"""Compression methods. Each one is a `Method` subclass registered by name, in its own file — or, when its code
+has parts besides the replacer, in its own package: `einsort/`, `qlr/`, `rotor/` (``method.py`` the replacer,
+``layer.py`` its module, ``decomposition.py`` its own math, and for EinSort the KV cache)."""
 
 from .base import METHODS, Method, get_method, register_method
 from . import einsort, laser, linearize, qlr, rotor, state_reduction, tensorllm, trawl  # noqa: F401  (register each by name)

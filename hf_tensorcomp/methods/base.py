@@ -11,8 +11,8 @@ and are rebuilt from the saved config by `hf_tensorcomp.surgery.build_skeleton`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -85,6 +85,35 @@ def get_method(name: Any) -> "Method":
 
 
 @dataclass
+class Allocation:
+    """One config entry's global budget, owned by the pipeline's allocation step (`hf_tensorcomp.pipeline.allocate`)
+    and handed to the entry's method: made by `Method.start_allocation`, filled by `Method.ladder` while it prices
+    each module's rungs, then given the rung chosen per module, which `Method.compress` reads (``ctx.allocation``)."""
+
+    #: the fraction of the targeted modules' parameters to spend (``ladder`` costs' unit: parameters, or bf16
+    #: parameters' worth of bytes for a byte budget)
+    budget: float
+    #: the ladders' losses are to be replaced by measured ones (`hf_tensorcomp.calibration.sensitivity.measured_kl`,
+    #: on the weights `probes` give)
+    measured: bool = False
+    #: the fraction of their own size the targeted modules may spend: `budget`, or less once the embedding table
+    #: (in a byte budget) took its bytes, at its widest width
+    share: float | None = None
+    #: {module name: what each rung of its ladder stands for}, where the rung's index is not enough (qlr: (bits, rank))
+    settings: dict[str, list] = field(default_factory=dict)
+    #: {module name: a callable giving its weight at its cheapest rung}, kept by `ladder` when `measured`
+    probes: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    #: {module name: the index of the rung chosen}, once allocated
+    rungs: dict[str, int] = field(default_factory=dict)
+    #: what the allocation reports (``config.stats["allocation"]``)
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.share is None:
+            self.share = self.budget
+
+
+@dataclass
 class Context:
     """What a method may need to know about the model besides the modules it compresses."""
 
@@ -93,8 +122,8 @@ class Context:
     n_layers: int
     #: calibration statistics of the unit's modules ({name: ModuleStats}), when the method `needs` any
     stats: dict | None = None
-    #: ranks chosen by a global `target` budget ({name: rung of the method's `ladder`}), else None
-    ranks: dict | None = None
+    #: the entry's global budget once allocated (``allocation.rungs``: {name: rung of the method's `ladder`}), else None
+    allocation: Allocation | None = None
     #: the decoder-layer list itself, during compression (for a method that re-runs a block, e.g. the
     #: attention around the projections it replaced); None while planning on the meta model
     layers: Any = None
@@ -171,40 +200,25 @@ class Method:
         """True when `entry.target` is to be met by a global allocation over `ladder` rungs."""
         return False
 
-    def budget(self, entry) -> float:
-        """The fraction of the targeted modules' parameters an allocation may spend (`ladder` costs'
-        unit: parameters, or bf16 parameters' worth of bytes for methods whose budget is bytes)."""
-        return entry.target
+    def start_allocation(self, entry) -> Allocation:
+        """The state of an allocation of `entry`'s budget (`allocates`): its budget (default ``entry.target``), and
+        whether its losses are measured."""
+        return Allocation(budget=entry.target)
 
-    def budget_hint(self, entry) -> str:
+    def budget_hint(self, entry, alloc: Allocation) -> str:
         """What else, besides a larger budget, lets an allocation this entry's budget cannot meet go through
         (appended to the error's "allowed:"; empty when nothing)."""
         return ""
-
-    def measures(self, entry) -> bool:
-        """True when the allocation's ladders are to be set to measured losses (`probe` gives each module's
-        weight at its cheapest rung; `hf_tensorcomp.calibration.sensitivity.measured_kl` measures them)."""
-        return False
-
-    def probe(self, name: str, entry) -> torch.Tensor:
-        """Module `name`'s weight at the cheapest rung of the ladder `ladder` gave it (once, after `ladder`)."""
-        raise NotImplementedError
-
-    def set_module_share(self, entry, share: float) -> None:
-        """The fraction of the targeted modules' own size a budget leaves them once the embedding table took its
-        bytes (called before `ladder` when the table is in this entry's budget)."""
-
-    def drop_probes(self, entry) -> None:
-        """Forget what `ladder` kept for `probe` (called once the measurement is done: those `probe` never asked
-        for, e.g. of one-rung ladders)."""
 
     def ladder_needs(self, entry) -> frozenset:
         """Statistics the `target` allocation reads (gathered in a first pass over the dense model)."""
         return frozenset()
 
-    def ladder(self, name: str, module: nn.Module, stats, entry) -> tuple[list[float], list[float]]:
+    def ladder(self, name: str, module: nn.Module, stats, entry, alloc: Allocation) -> tuple[list[float], list[float]]:
         """The rungs a `target` allocation may choose from for one module: (costs, losses), see
-        `hf_tensorcomp.decompositions.allocation`. Rung ``j`` is what `compress` receives in ``ctx.ranks``."""
+        `hf_tensorcomp.decompositions.allocation`; what a rung stands for, where its index is not enough, goes into
+        ``alloc.settings`` (and with ``alloc.measured`` the cheapest rung's weight into ``alloc.probes``). Rung ``j``
+        is what `compress` finds in ``ctx.allocation.rungs``."""
         raise NotImplementedError
 
     def targets_for(self, options: dict) -> tuple[str, ...]:

@@ -141,7 +141,7 @@ class Laser(Method):
     def _output_weights(self, stats, entry):
         return stats.fisher.clamp_min(1e-30).sqrt() if entry.options["weighting"] else None
 
-    def ladder(self, name, module, stats, entry):
+    def ladder(self, name, module, stats, entry, alloc):
         d = self._output_weights(stats, entry)
         sv2 = whitened_spectrum(module.weight, self._scaling(stats, entry), d).pow(2)
         # loss unit: the loss itself (½ Fisher x squared output error) when known and asked for (allocation="global"),
@@ -162,8 +162,8 @@ class Laser(Method):
             w = lin.weight
             if entry.target is None:
                 r = resolve_rank(entry.rank, min(w.shape))
-            elif ctx.ranks is not None:
-                r = ctx.ranks[name] + 1
+            elif ctx.allocation is not None:
+                r = ctx.allocation.rungs[name] + 1
                 if r >= _break_even(lin, pivoted):
                     continue  # the budget keeps this matrix dense
             else:  # uniform: every matrix keeps `target` of its parameters

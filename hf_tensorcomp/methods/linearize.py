@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..layers import GatedDeltaNetAttention
-from ..healing import fit
+from ..training import fit
 from ..validation import fail, is_int, is_number
 from .base import Method, check_schedule_options, register_method
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decompositions import key_selection as ks
-from ..healing import distill
+from ..training import DistillSettings, distill
 from ..validation import choices, fail, is_int, is_number
 from .base import Method, register_method
 
@@ -353,9 +353,9 @@ def recover(model: nn.Module, dense: dict[str, nn.Module], ids: torch.Tensor, o:
             _swap(model, pruned)
 
     try:
-        losses = distill(model, teacher, ids, params, o["recover_steps"], lr=o["recover_lr"],
-                         batch_size=o["recover_batch_size"], schedule=False, shuffle=False, train_mode=True,
-                         progress=False)["losses"]
+        settings = DistillSettings(o["recover_steps"], lr=o["recover_lr"], batch_size=o["recover_batch_size"],
+                                   schedule=False, shuffle=False, train_mode=True, progress=False)
+        losses = distill(model, teacher, ids, params, settings)["losses"]
     finally:
         for name, mod in list(model.named_modules()):
             if isinstance(mod, LoraLayer):

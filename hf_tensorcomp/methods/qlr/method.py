@@ -1,0 +1,324 @@
+"""``qlr``: a quantized weight plus a calibrated low-rank correction, W ≈ Q(W) + B A.
+
+Per matrix (EoRA / QERA, with LQ-LoRA's and CALDERA's alternation):
+
+1. Q = the quantizer's codes of W: ``quantizer="gptq"`` (default; error-compensating, reads the
+   layer's input Gram XᵀX; ``act_order=True``, default: the inputs with the most energy first, each
+   group's grid fixed from the original weights) or ``"rtn"`` (round to nearest, data-free; no order,
+   ``act_order`` ignored), ``bits`` per value in groups
+   of ``group_size`` with a float16 scale and an integer zero point (`decompositions.quantize`); each
+   group's range is the shrunk range with the least round-trip error (``grid="search"``, default;
+   GPTQ's reference "mse" grid: a few clipped outliers buy a finer step) or its min-max (``"minmax"``).
+2. B A = the best rank-``rank`` fit of the quantization error W - Q *in the whitened space of the
+   layer's input*: the SVD of (W - Q) S with S Sᵀ = XᵀX + λI, so what is minimised is the output
+   error ‖(W - Q - B A) Xᵀ‖ on the calibration inputs (``whiten=False``: plain Frobenius).
+3. ``rounds`` more times: re-quantize W - B A, refit B A to what is left.
+
+``rotate=True`` (default): step 1 quantizes W R instead of W, R a random block-Hadamard rotation of the inputs
+(`decompositions.hadamard`: random signs, then an orthonormal Hadamard per block of the largest power of
+two <= 128 dividing the input width; QuIP# / QuaRot's incoherence processing). A group's few large weights
+are spread over its block, so the grid fits the rest better; GPTQ works on the rotated Gram Rᵀ XᵀX R. The
+layer rotates its input before the quantized product (one block x block product per token and block) and
+stores the signs (one byte per input); the correction is fitted and applied in the unrotated space.
+
+``target_bytes`` (instead of ``rank``): a fraction of the targeted matrices' bf16 bytes, allocated
+across all of them — bits (3, 4, 5, 6 or 8, 2 as well when the budget is below 3 bits everywhere; or those of
+``bit_choices``) and correction rank per matrix —
+by the same greedy rule as LASER's global budget, on the whitened error each setting leaves (estimated with round to nearest,
+or with the quantizer itself: ``estimate="quantizer"``, slower), never exceeding it. The correction costs 2 bytes a value (bf16), or ``factor_bits`` if set. What the
+rule compares across matrices (``allocation``): ``"relative"`` — each matrix's whitened error relative
+to its output energy, every matrix counting the same (a small matrix's error then weighs as much as a
+large one's, so small matrices climb to 8 bits while large ones stay at 2); ``"size"`` — that relative
+error times the matrix's parameters (a large matrix's error counts in proportion); ``"fisher"`` — the
+loss itself, ½ Σ Fisher × squared output error (needs the dense model's output Fisher, one backward
+pass; not while streaming); ``"measured"`` — ``"fisher"``'s ladders, each decoder layer's scaled so that its
+matrices' cheapest rungs together cost what they measurably do: the KL divergence of the model's output from
+the dense model's with that layer's matrices (alone) on their cheapest rung, on the first calibration batch
+(one partial forward pass a layer; the embedding table's by the output head's; not while streaming). Fisher's
+second-order estimate can misprice narrow rungs, whose errors are not small; the measurement is taken there.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ...decompositions.hadamard import rotate, rotate_gram, rotation_block, rotation_signs, unrotate
+from ...decompositions.quantize import BITS, GRIDS, quantize_gptq, quantize_rtn, stored_bytes
+from ...decompositions.svd import whitened_svd, whitening_factor
+from ...validation import choices, fail, is_int, is_number
+from ..base import Allocation, Method, register_method
+from .layer import QuantizedLowRankLinear
+
+QUANTIZERS = ("gptq", "rtn")
+ALLOCATIONS = ("relative", "size", "fisher", "measured")
+ESTIMATES = ("rtn", "quantizer")
+RANK_RUNGS = (0, 8, 16, 32, 64, 128, 256)
+# The budget's default widths (`QuantizedLowRank._default_bits`): none narrower than the widest that fits
+# everywhere; 2-bit rungs only where 3 bits everywhere would not fit. Measured on both bundled models (groups of
+# 128, rotated): the Fisher-weighted score prices a narrower matrix below what it costs the model (0.21 of the
+# bytes: 1.309x / 1.356x dense perplexity with 2-bit rungs, 1.266x / 1.303x without, on SmolLM2).
+DEFAULT_BITS = tuple(b for b in BITS if b != 2)
+
+
+def _error(w: torch.Tensor, approx: torch.Tensor, s: torch.Tensor | None) -> float:
+    """Relative (whitened, if `s`) error of `approx` against `w`."""
+    d = (w - approx).double()
+    if s is not None:
+        return float((d @ s).norm() / (w.double() @ s).norm().clamp_min(1e-30))
+    return float(d.norm() / w.double().norm().clamp_min(1e-30))
+
+
+@register_method
+class QuantizedLowRank(Method):
+    name = "qlr"
+    byte_budget = True
+    default_targets = ("self_attn.*_proj", "mlp.*_proj")
+    default_rank = 32
+    supports_target = True
+    uses_group_size = True
+    layer_types = ("qlr",)
+    remedy = "more bits or a larger rank (check the weight: a quantized finite weight is never worse than zeros)"
+    option_defaults = {"bits": 4, "quantizer": "gptq", "whiten": True, "rounds": 2, "damping": 1e-4,
+                       "gptq_damping": 0.01, "target_bytes": None, "allocation": "relative", "grid": "search",
+                       "estimate": "rtn", "bit_choices": None, "act_order": True, "rotate": True}
+
+    def validate_options(self, options):
+        o = super().validate_options(options)
+        if type(o["bits"]) is not int or o["bits"] not in BITS:  # not a bool, not 4.0 (== 4, but no code width)
+            fail("bits", o["bits"], " | ".join(map(str, BITS)) + " (integer bits per weight)")
+        if o["quantizer"] not in QUANTIZERS:
+            fail("quantizer", o["quantizer"], choices(QUANTIZERS))
+        if not isinstance(o["whiten"], bool):
+            fail("whiten", o["whiten"], "True (fit the correction to the output error on the calibration inputs) | False")
+        if not is_int(o["rounds"], 0) or o["rounds"] > 20:
+            fail("rounds", o["rounds"], "an int in [0, 20] (re-quantize / refit alternations after the first fit)")
+        for key in ("damping", "gptq_damping"):
+            if not is_number(o[key]) or not 0 <= o[key] <= 10:
+                fail(key, o[key], "a number in [0, 10]")
+        if o["grid"] not in GRIDS:
+            fail("grid", o["grid"], choices(GRIDS) + " (each group's range: min-max, or the clipping with the least error)")
+        if not isinstance(o["act_order"], bool):
+            fail("act_order", o["act_order"], "True (GPTQ quantizes the inputs with the most energy first, static groups) | False")
+        if not isinstance(o["rotate"], bool):
+            fail("rotate", o["rotate"], "True (quantize W R, R a random block-Hadamard rotation of the inputs) | False")
+        if o["estimate"] not in ESTIMATES:
+            fail("estimate", o["estimate"], choices(ESTIMATES) + " (how target_bytes' rungs are scored: round to nearest, "
+                 "or the quantizer itself)")
+        if o["allocation"] not in ALLOCATIONS:
+            fail("allocation", o["allocation"], choices(ALLOCATIONS) + " (what target_bytes' allocation compares)")
+        t = o["target_bytes"]
+        if t is not None and (not is_number(t) or not 0 < t < 1):
+            fail("target_bytes", t, "None, or a float in (0, 1): the fraction of the targeted matrices' bf16 bytes kept")
+        c = o["bit_choices"]
+        if c is not None:
+            if (t is None or not isinstance(c, (list, tuple)) or not c or len(set(c)) != len(c)
+                    or any(type(b) is not int or b not in BITS for b in c)):
+                fail("bit_choices", c, "None (from the widest of 3, 4, 5, 6, 8 whose codes fit everywhere up; every width "
+                     "below 3 bits everywhere), or "
+                     f"with target_bytes= a list of distinct widths from {', '.join(map(str, BITS))} (e.g. [3, 4]: one "
+                     "int4 kernel call per matrix)")
+            o["bit_choices"] = sorted(c)
+        return o
+
+    def validate_rank(self, rank, options):
+        if options.get("target_bytes") is not None:  # an explicit rank is refused in `Entry` (the default too)
+            return None
+        if not is_int(rank, 0):
+            fail("rank", rank, "an int >= 0 (the correction's rank; 0: the quantizer alone)")
+        return rank
+
+    def validate_target(self, target, options):
+        fail("target", target, "None: qlr's budget is target_bytes= (a fraction of the bf16 bytes)")
+
+    def check_unit(self, modules, entry, ctx):
+        """A rank above every targeted matrix's full rank is refused, as LASER refuses one above any (before any
+        weight loads); one above some of them is cut to their full rank there, with a warning naming them and
+        what their corrections then cost against the dense bf16 matrices."""
+        r = entry.rank
+        if not isinstance(r, int) or not modules:
+            return
+        full = {n: min(m.in_features, m.out_features) for n, m in modules.items()}
+        if r > max(full.values()):
+            name = max(full, key=full.get)
+            m = modules[name]
+            raise ValueError(f"TensorCompressionConfig.rank: got {r} but the largest full rank of the targeted matrices "
+                             f"is {full[name]} ({ctx.prefix}.{name}: {m.out_features}x{m.in_features}); allowed: an int "
+                             f"in [0, {full[name]}] (the low-rank correction's rank)")
+        cut = sorted(n.partition(".")[2] for n in full if r > full[n])
+        if cut:
+            import warnings
+
+            first = {n.partition(".")[2]: m for n, m in modules.items()}
+            corr = sum(full[n] * (m.in_features + m.out_features) * 2 for n, m in modules.items() if r > full[n])
+            dense = sum(m.in_features * m.out_features * 2 for n, m in modules.items() if r > full[n])
+            warnings.warn(f"hf_tensorcomp: qlr rank={r} is above the full rank of {', '.join(cut)} "
+                          f"({', '.join(str(min(first[n].in_features, first[n].out_features)) for n in cut)}): cut to it "
+                          f"there; their corrections then cost {corr:,} bytes a layer (bf16), the dense bf16 matrices "
+                          f"{dense:,}", UserWarning, stacklevel=2)
+
+    def needs(self, entry):
+        o = entry.options
+        return frozenset({"gram"} if o["whiten"] or o["quantizer"] == "gptq" else set())
+
+    def allocates(self, entry):
+        return entry.options["target_bytes"] is not None
+
+    def ladder_needs(self, entry):
+        o = entry.options
+        gptq = o["estimate"] == "quantizer" and o["quantizer"] == "gptq"
+        return frozenset(({"gram"} if o["whiten"] or gptq else set())
+                         | ({"fisher"} if o["allocation"] in ("fisher", "measured") else set()))
+
+    def start_allocation(self, entry) -> Allocation:
+        return Allocation(budget=entry.options["target_bytes"], measured=entry.options["allocation"] == "measured")
+
+    # ------------------------------------------------------------------ the fit
+    def _whitening(self, stats, entry):
+        if not entry.options["whiten"]:
+            return None
+        if stats is None or stats.gram is None:
+            raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration=")
+        return whitening_factor(stats.gram, entry.options["damping"])
+
+    @staticmethod
+    def _rotation(in_features: int, entry, device) -> tuple[torch.Tensor, int] | None:
+        """(signs, block) of the input rotation with ``rotate=True`` (None: off, or an odd input width); the signs on
+        the weight's `device`."""
+        block = rotation_block(in_features) if entry.options["rotate"] else 1
+        return (rotation_signs(in_features).to(device), block) if block > 1 else None
+
+    @staticmethod
+    def _gptq(entry, estimating=False) -> bool:
+        """Whether GPTQ quantizes (`estimating`, a ladder's rung: round to nearest unless ``estimate="quantizer"``)."""
+        o = entry.options
+        return o["quantizer"] == "gptq" and not (estimating and o["estimate"] == "rtn")
+
+    def _gram(self, stats, entry, rot, estimating=False):
+        """The inputs' Gram matrix in the quantizer's basis (Rᵀ XᵀX R with a rotation), once per matrix;
+        None where the quantizer needs none."""
+        if not self._gptq(entry, estimating):
+            return None
+        return stats.gram if rot is None else rotate_gram(stats.gram.double(), *rot)
+
+    def _quantize(self, w, bits, entry, gram, group_size=None, estimating=False, rot=None):
+        """The quantizer's codes of `w` (of `w` R with a rotation `rot`; `gram` from `_gram`)."""
+        o, g = entry.options, group_size or entry.group_size
+        if rot is not None:
+            w = rotate(w, *rot)
+        if self._gptq(entry, estimating):
+            return quantize_gptq(w, gram, bits, g, o["gptq_damping"], o["grid"], act_order=o["act_order"])
+        return quantize_rtn(w, bits, g, o["grid"])
+
+    @staticmethod
+    def _approx(q, rot) -> torch.Tensor:
+        """Q's de-quantized value in the input's own space."""
+        return q.dequantize() if rot is None else unrotate(q.dequantize(), *rot)
+
+    def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s, rot=None) -> tuple:
+        """(QTensor, A, B) for one matrix: quantize, fit the correction, alternate."""
+        w = w.detach().float()
+        gram = self._gram(stats, entry, rot)
+        q = self._quantize(w, bits, entry, gram, rot=rot)
+        a = b = None
+        for k in range(1 + entry.options["rounds"] if rank else 0):
+            if k:
+                q = self._quantize(w - b @ a, bits, entry, gram, rot=rot)
+            b, a, _ = whitened_svd(w - self._approx(q, rot), rank, s)
+        return q, a, b
+
+    def _rung_bytes(self, lin, bits, rank, entry, group_size=None, rotated=False) -> float:
+        i, o = lin.in_features, lin.out_features
+        corr_bits = entry.factor_bits or 16
+        return (stored_bytes((o, i), bits, group_size or entry.group_size) + rank * (i + o) * corr_bits / 8
+                + (i if rotated else 0))  # the rotation's signs, one byte each
+
+    @staticmethod
+    def _default_bits(entry, share: float | None = None) -> tuple[int, ...]:
+        """The widths a byte budget chooses from by default: the widest width whose codes everywhere fit
+        ``target_bytes`` (their scale and zero per group counted, 2 % to spare; with the embedding table in the
+        budget, what the table leaves the linears: `share`, `Allocation.share`) and every wider one; every width when not
+        even 3 bits fit. Narrower codes beside wider ones cost the model more than the Fisher-weighted
+        score prices them where one width fits everywhere (Gemma-3 at 0.27: 1.110x / 1.117x dense perplexity with
+        3-bit rungs, 1.068x / 1.095x without; at 0.21 2-bit rungs likewise)."""
+        t, g = entry.options["target_bytes"] if share is None else share, entry.group_size
+        fits = [b for b in DEFAULT_BITS if t >= 1.02 * stored_bytes((1, g), b, g) / (2 * g)]  # over bf16
+        return tuple(b for b in DEFAULT_BITS if b >= fits[-1]) if fits else BITS
+
+    def budget_hint(self, entry, alloc) -> str:
+        left_out = [b for b in BITS if b not in self._default_bits(entry, alloc.share)]
+        if entry.options["bit_choices"] is None and left_out:
+            return (f", or bit_choices={list(BITS)} (the default leaves {', '.join(map(str, left_out))}-bit codes "
+                    "out at this budget)")
+        return ""
+
+    def ladder(self, name, module, stats, entry, alloc, bits=None, ranks=RANK_RUNGS, group_size=None, copies=1, table=False):
+        """Rungs (bits, rank) on the Pareto front of (bytes, loss), costs in bf16 parameters (bytes / 2)
+        so that the budget is `target_bytes` x the targeted parameters; the loss as ``allocation`` says.
+        `bits`, `ranks`, `group_size` narrow the rungs (the embedding table: its own group size, no
+        correction; default bits: the ``bit_choices`` option); `copies`: how many times the matrix is stored (an
+        untied head beside its table); `table`: the embedding table (looked up, never rotated)."""
+        bits = bits or entry.options["bit_choices"] or self._default_bits(entry, alloc.share)
+        group_size = group_size or entry.group_size
+        s = self._whitening(stats, entry)
+        how = entry.options["allocation"]
+        d = stats.fisher.clamp_min(0).sqrt().double() if how in ("fisher", "measured") else None
+        w = module.weight.detach().float()
+        rot = None if table else self._rotation(w.shape[1], entry, w.device)
+        gram = self._gram(stats, entry, rot, estimating=True)
+
+        def weighted(m, rows=slice(None)):
+            m = m[rows].double() @ s if s is not None else m[rows].double()
+            return m * d[rows, None] if d is not None else m
+
+        def energy(m, step=8192):  # ‖weighted(m)‖², a block of rows at a time (a vocabulary-sized table)
+            return sum(float(weighted(m, slice(i, i + step)).pow(2).sum()) for i in range(0, m.shape[0], step))
+
+        if how in ("fisher", "measured"):
+            ref = 2.0  # the loss itself: ½ Σ Fisher x squared output error
+        else:
+            ref = energy(w) / (w.numel() if how == "size" else 1)
+        points = []
+        for b in bits:
+            q = self._quantize(w, b, entry, gram, group_size, estimating=True, rot=rot)
+            if alloc.measured and b == bits[0]:  # the cheapest rung, for the measurement
+                alloc.probes[name] = partial(self._approx, q, rot)
+            err = w - self._approx(q, rot)
+            if any(ranks):
+                tail = torch.linalg.svdvals(weighted(err)).pow(2).flip(0).cumsum(0).flip(0).tolist() + [0.0]
+            else:  # no correction: the whole error, no SVD
+                tail = [energy(err)]
+            del err, q
+            for r in ranks:
+                if r < min(w.shape) // 2:
+                    cost = copies * self._rung_bytes(module, b, r, entry, group_size, rot is not None) / 2
+                    points.append((cost, tail[r] / ref, (b, r)))
+        points.sort()
+        front = []
+        for cost, loss, setting in points:
+            if not front or loss < front[-1][1]:
+                front.append((cost, loss, setting))
+        alloc.settings[name] = [p[2] for p in front]
+        return [p[0] for p in front], [p[1] for p in front]
+
+    def compress(self, modules, entry, ctx):
+        out = {}
+        for name, lin in modules.items():
+            stats = (ctx.stats or {}).get(name)
+            if ctx.allocation is not None:
+                bits, rank = ctx.allocation.settings[name][ctx.allocation.rungs[name]]
+            else:
+                bits, rank = entry.options["bits"], min(entry.rank, min(lin.weight.shape))
+            s = self._whitening(stats, entry)
+            rot = self._rotation(lin.in_features, entry, lin.weight.device)
+            q, a, b = self.fit(lin.weight, bits, rank, entry, stats, s, rot)
+            bias = None if lin.bias is None else lin.bias.detach()
+            new = QuantizedLowRankLinear.build(q, a, b, bias, lin.weight.dtype, rotation=rot)
+            w = lin.weight.detach().float()
+            approx = new.dense_weight().detach().float()
+            out[name] = (new, {"bits": bits, "rank": rank, "group_size": entry.group_size,
+                               "rel_error": round(_error(w, approx, None), 6),
+                               "whitened_error": round(_error(w, approx, s), 6) if s is not None else None,
+                               "quant_only_error": round(_error(w, self._approx(q, rot), s), 6)})
+        return out
