@@ -169,6 +169,10 @@ def cmd_compress(args) -> int:
     out = Path(args.out)
     _check_out(out, args.overwrite)
     src = _resolve(args.model)
+    if os.path.isdir(src):  # a local model: --out never is, lies inside or holds it (--overwrite would replace it)
+        from .integration.io import refuse_overlap
+
+        refuse_overlap(out, [src], "--out")
     dtype = getattr(torch, args.dtype)
     if args.stream:
         from . import compress_checkpoint
@@ -240,9 +244,10 @@ def cmd_compress(args) -> int:
         report["hub_url"] = str(push_to_hub(model, args.push_to_hub, tokenizer=tok, results=results,
                                             base_model=_base_model(args.model)))
     _print_report(report)
-    tmp = out / ".compression_report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out / "compression_report.json")
+    from .integration.io import atomic_file
+
+    with atomic_file(out / "compression_report.json") as tmp:
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 
@@ -392,6 +397,7 @@ def cmd_sweep(args) -> int:
 
     from .assets import load_bigbench_task
     from .eval import multiple_choice_accuracy, perplexity
+    from .integration.io import atomic_file
     from .sweep import layer_sweep
 
     if not args.layers or not (args.ranks or args.ratios):
@@ -399,6 +405,10 @@ def cmd_sweep(args) -> int:
                          "allowed: e.g. --layers -3 -2 -1 --ranks 16 64 256, or --method tensorllm --ratios 4 16 50")
     if args.ranks and args.ratios:
         raise ValueError("sweep: got both --ranks and --ratios; allowed: one of them")
+    out = Path(args.out)  # checked before the sweep runs: an existing table is replaced only with --overwrite
+    if out.is_dir() or (out.exists() and not args.overwrite):
+        raise ValueError(f"--out: {out} {'is a folder' if out.is_dir() else 'exists'}; allowed: a new file, or an "
+                         "existing file with --overwrite")
     options = dict(args.option or [])
     sets = [{**options, "group": g} for g in args.groups] if args.groups else [options]
     if args.ratios:  # compression-rate targets (tensorllm's `ratio` option) instead of ranks
@@ -421,11 +431,9 @@ def cmd_sweep(args) -> int:
                        targets=args.targets, progress=not args.quiet)
     for r in rows:
         print(json.dumps(r))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({"model": args.model, "method": args.method, "options": sets, "rows": rows}, indent=1) + "\n")
-    os.replace(tmp, out)
+    with atomic_file(out, overwrite=args.overwrite) as tmp:
+        tmp.write_text(json.dumps({"model": args.model, "method": args.method, "options": sets, "rows": rows}, indent=1)
+                       + "\n")
     return 0
 
 
@@ -464,7 +472,7 @@ def cmd_linearize(args) -> int:
     _check_out(out, args.overwrite)
     options = {k: getattr(args, k) for k in DEFAULTS}
     options["calibration"] = _calibration(options["calibration"])
-    _, report = build_hybrid(args.model, out, progress=not args.quiet, **options)
+    _, report = build_hybrid(args.model, out, progress=not args.quiet, overwrite=args.overwrite, **options)
     print(json.dumps({k: v for k, v in report.items() if k != "options"}, indent=2))
     return 0
 
@@ -543,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--mc-examples", type=int, default=0, help="multiple-choice examples per point (0: none)")
     w.add_argument("--recipe", default=None, help="JSON file of sweep options (see recipes/)")
     w.add_argument("--out", required=True, help="JSON file for the table")
+    w.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     _eval_args(w)
     w.set_defaults(func=cmd_sweep)
     e = sub.add_parser("eval", help="held-out perplexity of a model")

@@ -113,12 +113,13 @@ def convert_gguf(src, out, dtype="bfloat16", max_shard_size="2GB", overwrite: bo
     from safetensors.torch import save_file
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    from .integration.io import atomic_dir
+    from .integration.io import atomic_dir, refuse_overlap
 
     src, out = Path(src), Path(out)
     if not src.is_file():
         raise ValueError(f"convert_gguf: src: {src}: not a file; allowed: a local .gguf file")
     dtype, shard_bytes = _dtype(dtype), _size(max_shard_size, "max_shard_size")
+    refuse_overlap(out, [src], "convert_gguf: out")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ValueError(f"convert_gguf: out: {out} exists and is not empty; allowed: a new or empty folder, or overwrite=True")
     _return_large_frees()

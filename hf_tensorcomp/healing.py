@@ -10,6 +10,7 @@ the model bit-identical and says so. End to end it runs `hf_tensorcomp.training.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from pathlib import Path
 import warnings
@@ -20,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .calibration import LayerwiseRunner
-from .calibration.data import (DEFAULT as DEFAULT_CALIBRATION, calibration_ids, calibration_tokenizer,
+from .calibration.data import (DEFAULT as DEFAULT_CALIBRATION, calibration_ids, calibration_tokenizer, check_vocabulary,
                                validate_calibration)
 from .calibration.pipeline import drop_states
 from .heal_settings import TRAIN, TRAIN_PARTS, validate_heal
@@ -28,7 +29,7 @@ from .layers import FactorizedModule
 from .layout import find_decoder_layers, first_output
 from .training import (DistillSettings, RelativeSteps, adam_step, distill, held_out_loss, held_out_objective,
                        only_training, precision_autocast, resolve_precision)
-from .validation import is_path
+from .validation import is_path, missing_folder
 
 
 def trainable(model, train: str = "auto") -> list:
@@ -61,22 +62,54 @@ def trainable(model, train: str = "auto") -> list:
     return list(out.values())
 
 
-def _teacher(model, teacher):
-    from transformers import AutoModelForCausalLM
+def _teacher_source(model, teacher, o: dict, compressed: bool):
+    """Where the teacher comes from — a model as given, else a folder or Hub id (teacher=None: the dense model this
+    one was made from) — checked before any work, from its config alone: refused when the model would be its own
+    teacher, when the folder does not exist, when it is itself compressed, when its vocabulary differs from the
+    model's (the KL compares next-token distributions), and layer by layer when its decoder layers differ."""
+    from transformers import AutoConfig
 
-    if teacher is not None and not is_path(teacher):
-        return teacher.eval()
-    src = teacher or _source(model)
+    if teacher is None and not compressed:
+        raise ValueError("heal: this model is not compressed (it holds no hf_tensorcomp layer and no compression record), "
+                         "so with teacher=None it would be its own teacher; allowed: teacher=<a model or its folder> (the "
+                         "model to distil toward), or a model compressed by hf_tensorcomp")
+    src = teacher if teacher is not None else _source(model)
     if src is None:
         raise ValueError("heal: teacher=None, and the model does not record the dense model it was made from; allowed: "
                          "teacher=<the dense model or its path>")
+    if not is_path(src):
+        config = getattr(src, "config", None)
+    else:
+        if missing_folder(src):
+            raise ValueError(f"heal: teacher: {os.fspath(src)}: no such folder; allowed: the dense model's folder, a Hub "
+                             "repo id, or the model itself")
+        config = AutoConfig.from_pretrained(src)
+        if getattr(config, "quantization_config", None) is not None:
+            raise ValueError(f"heal: the teacher loaded from {os.fspath(src)!r} is itself compressed or quantized; "
+                             "allowed: teacher=<the dense model or its path>")
+    if config is not None:
+        mine, theirs = model.config.get_text_config(), config.get_text_config()
+        if theirs.vocab_size != mine.vocab_size:
+            raise ValueError(f"heal: teacher: a vocabulary of {theirs.vocab_size} tokens, the model's {mine.vocab_size}; "
+                             "allowed: a teacher with the model's vocabulary (the dense model it was made from)")
+        shape = lambda c: (c.num_hidden_layers, c.hidden_size)  # noqa: E731
+        if o["mode"] != "e2e" and shape(theirs) != shape(mine):
+            raise ValueError(f"heal: teacher: {theirs.num_hidden_layers} decoder layers of width {theirs.hidden_size}, the "
+                             f"model's {mine.num_hidden_layers} of width {mine.hidden_size}; allowed: layer by layer, a "
+                             "teacher of the model's layers (the dense model it was made from), or mode='e2e'")
+    return src
+
+
+def _teacher(model, src):
+    """The teacher model (`_teacher_source`'s), loaded when it is a folder or Hub id, beside the model."""
+    from transformers import AutoModelForCausalLM
+
+    if not is_path(src):
+        return src.eval()
     first = next(model.parameters())
     dense = AutoModelForCausalLM.from_pretrained(src, dtype=first.dtype)
     if first.device.type not in ("cpu", "meta"):  # the teacher beside the student (on its accelerator)
         dense.to(first.device)
-    if getattr(dense.config, "quantization_config", None) is not None:
-        raise ValueError(f"heal: the teacher loaded from {src!r} is itself compressed or quantized; allowed: "
-                         "teacher=<the dense model or its path>")
     return dense.eval()
 
 
@@ -84,6 +117,15 @@ def _source(model):
     cfg = getattr(model.config, "quantization_config", None)
     st = getattr(cfg, "stats", None) or {}
     return st.get("source") or getattr(model, "name_or_path", None) or None
+
+
+def _compressed(model, config) -> bool:
+    """Whether `model` was compressed by hf_tensorcomp (`config`: the record of a compression under way)."""
+    from .config import TensorCompressionConfig
+
+    record = getattr(model.config, "quantization_config", None) or getattr(model, "tensorcomp_config", None)
+    return (config is not None or isinstance(record, TensorCompressionConfig)
+            or any(isinstance(m, FactorizedModule) for m in model.modules()))
 
 
 class TrainingForms:
@@ -292,7 +334,10 @@ def teacher_windows(teacher, prompts: torch.Tensor, n: int, length: int, seed: i
 def heal_windows(model, calibration, tokenizer, o: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(held-out windows, training windows) of the calibration text for healing settings `o`."""
     tok = calibration_tokenizer(model, calibration, tokenizer)
-    ids = calibration_ids(calibration, tok, o["samples"], o["length"], o["seed"])
+    ids = check_vocabulary(calibration_ids(calibration, tok, o["samples"], o["length"], o["seed"]), model)
+    if ids.shape[1] < 2:
+        raise ValueError(f"heal: calibration windows of {ids.shape[1]} token; allowed: windows of at least 2 tokens (each "
+                         "position is scored on the next token)")
     n_held = max(1, round(o["held_out"] * ids.shape[0]))
     if ids.shape[0] - n_held < 1:
         raise ValueError(f"heal: calibration gives {ids.shape[0]} windows; allowed: at least 2 (one is held out)")
@@ -325,11 +370,13 @@ def heal(model, teacher=None, calibration=DEFAULT_CALIBRATION, steps: int | None
     """
     o = validate_heal({**settings, **({"steps": steps} if steps is not None else {})})  # bad input: before any change
     calibration = validate_calibration(calibration)
+    teacher = _teacher_source(model, teacher, o, _compressed(model, _config))  # checked before any work
     forms, report = TrainingForms(model), {}
     try:
         report = _heal(model, teacher, calibration, o, tokenizer=tokenizer, progress=progress, _config=_config)
         return report
-    finally:  # each module back in its stored form; train="scales" | "all": the trained scales back into float16
+    finally:  # each module back in its stored form (after an error or interrupt too: `_heal` put the start back);
+        # train="scales" | "all": the trained scales back into float16
         forms.close(keep=report.get("improved", False))
         for m in model.modules():
             if isinstance(m, FactorizedModule):
@@ -341,9 +388,25 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
     params = trainable(model, o["train"])
     if not params:
         raise ValueError(f"heal: train={o['train']!r} finds nothing to train in this model; allowed: {' | '.join(map(repr, TRAIN))}")
+    start, was_training = [p.detach().clone() for p in params], model.training
+    try:
+        return _train(model, teacher, calibration, o, params, start, t0, tokenizer=tokenizer, progress=progress,
+                      _config=_config)
+    except BaseException as e:  # an error or an interrupt (Ctrl-C) mid-way: the model exactly as it came
+        with torch.no_grad():
+            for p, b in zip(params, start):
+                p.copy_(b)
+        model.train(was_training)
+        if not isinstance(e, Exception):
+            warnings.warn(f"hf_tensorcomp: healing stopped ({type(e).__name__}); the model is left exactly as it came",
+                          stacklevel=3)
+        raise
+
+
+def _train(model, teacher, calibration, o: dict, params: list, start: list, t0: float, *, tokenizer, progress,
+           _config) -> dict:
     held, train_ids = heal_windows(model, calibration, tokenizer, o)
     dense = _teacher(model, teacher)
-    start = [p.detach().clone() for p in params]
     model.eval()
     o["precision"] = resolve_precision(o["precision"], next(model.parameters()).device)
     cache: list = []  # the dense model's hidden states of the held-out windows, computed once
@@ -385,7 +448,7 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
     else:
         kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"], cache=cache)
     objective = functools.partial(held_out_objective, lm_weight=o["lm_weight"])
-    report["improved"] = objective(kl1, ppl1) < objective(kl0, ppl0)
+    report["improved"] = improved(objective(kl0, ppl0), objective(kl1, ppl1))
     if not report["improved"]:  # no harm: the model exactly as it came
         with torch.no_grad():
             for p, b in zip(params, start):
@@ -404,6 +467,16 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
     cfg = _config if _config is not None else getattr(model.config, "quantization_config", None)
     if cfg is not None and hasattr(cfg, "stats"):
         cfg.stats = {**(cfg.stats or {}), "heal": report}
-    if teacher is None or is_path(teacher):
+    if is_path(teacher):
         del dense
     return report
+
+
+#: a held-out loss lower than the start's by less than this fraction of it (or of 1, below 1) is float rounding, not
+#: an improvement: the losses are float32 sums (a model that is its own teacher scored KL 0.0 and then -0.0)
+NOISE = 1e-6
+
+
+def improved(before: float, after: float) -> bool:
+    """Whether the held-out loss `after` is lower than `before` by more than numerical noise (`NOISE`)."""
+    return after < before - NOISE * max(1.0, abs(before))

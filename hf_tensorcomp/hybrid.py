@@ -18,6 +18,7 @@ The bundled hybrid (`linearized_path`) is this with `DEFAULTS`, cached under
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -60,8 +61,10 @@ def _ppl(model, tok, tokens: int) -> float:
     return perplexity(model, tok, load_text("wikipedia", "eval"), max_tokens=tokens, progress=False)["ppl"]
 
 
-def build_hybrid(model: str = "smollm2", out=None, progress: bool = True, **options) -> dict:
-    """Linearize `model` (a bundled name or a folder), optionally distil end to end, evaluate, save to `out`.
+def build_hybrid(model: str = "smollm2", out=None, progress: bool = True, overwrite: bool = False, **options) -> dict:
+    """Linearize `model` (a bundled name or a folder), optionally distil end to end, evaluate, save to `out` (a new or
+    empty folder, or with ``overwrite=True`` an existing one: only the files written are replaced; never the model's
+    own folder, one inside it or one holding it).
 
     ``options``: the keys of `DEFAULTS`. Returns ``(hybrid model, report)``; the report is also written to
     ``out/linearize_report.json`` and summarised in the model card there.
@@ -85,6 +88,13 @@ def build_hybrid(model: str = "smollm2", out=None, progress: bool = True, **opti
         from .assets import hub_id, model_path
 
         src, base_model = str(model_path(model)), hub_id(model)
+    if out is not None:  # checked before any work
+        from .integration.io import refuse_overlap
+
+        refuse_overlap(out, [src] if os.path.isdir(src) else [], "build_hybrid: out")
+        if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())) and not overwrite:
+            raise ValueError(f"build_hybrid: out: {out} exists and is not empty; allowed: a new or empty folder, or "
+                             "overwrite=True")
     torch.manual_seed(o["seed"])
     cfg = TensorCompressionConfig(method="linearize", layers=o["layers"], every=o["every"], epochs=o["epochs"], lr=o["lr"],
                                   batch_size=o["batch_size"], seed=o["seed"], calibration=o["calibration"],
@@ -128,7 +138,7 @@ def build_hybrid(model: str = "smollm2", out=None, progress: bool = True, **opti
         if "layerwise_ppl" in report:
             results["perplexity after layer-wise distillation only"] = report["layerwise_ppl"]
     if out is not None:
-        with atomic_dir(Path(out)) as tmp:
+        with atomic_dir(Path(out), overwrite=overwrite) as tmp:
             hybrid.save_pretrained(tmp)
             tok.save_pretrained(tmp)
             write_model_card(hybrid, tmp, results, base_model=base_model, repo_id=str(out))

@@ -243,15 +243,11 @@ def _calibration_ids(model: nn.Module, config: TensorCompressionConfig):
     if config.calibration is None:
         return None
     from .calibration import calibration_ids
+    from .calibration.data import check_vocabulary
 
     ids = calibration_ids(config.calibration, calibration_tokenizer(model, config.calibration, config.calibration_tokenizer),
                           config.calibration_samples, config.calibration_length, config.calibration_seed)
-    vocab = model.get_input_embeddings().num_embeddings
-    bad = ids[(ids < 0) | (ids >= vocab)]
-    if bad.numel():
-        raise ValueError(f"TensorCompressionConfig.calibration: token id {int(bad[0])} is outside the model's vocabulary "
-                         f"of {vocab} ({bad.numel()} such ids); allowed: ids in [0, {vocab}), or texts")
-    return ids
+    return check_vocabulary(ids, model)
 
 
 def model_bytes(model: nn.Module) -> int:

@@ -39,7 +39,7 @@ from torch import nn
 from safetensors.torch import save_file
 
 from .config import TensorCompressionConfig
-from .integration.io import atomic_dir
+from .integration.io import atomic_dir, refuse_overlap
 from .plan import find_decoder_layers, plan
 
 _COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -515,6 +515,7 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     dev = _check_arguments(cfg, device, states_dir)
     src = _resolve(src)
     out = Path(out)
+    refuse_overlap(out, [src], "compress_checkpoint: out")  # overwrite=True never reaches the source
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"compress_checkpoint: out: {out} exists and is not empty; allowed: a new or empty folder, "
                          "or overwrite=True")

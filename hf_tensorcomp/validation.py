@@ -24,6 +24,16 @@ def is_path(x: Any) -> bool:
     return isinstance(x, (str, os.PathLike))
 
 
+def missing_folder(x: Any) -> bool:
+    """A path meant as a local folder that is not one: an os.PathLike, or a string that cannot be a Hub repo id
+    (absolute, starting with ``.`` or ``~``, more than one ``/``) or that names something other than a folder."""
+    name = os.fspath(x)
+    if os.path.isdir(name):
+        return False
+    return (not isinstance(x, str) or os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+            or os.path.exists(name))
+
+
 def is_number(x: Any) -> bool:
     """A real number given as an int or float (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -435,7 +435,8 @@ def _pivoted(tiny_dirs, tmp_path):
 
 @pytest.mark.parametrize("damage", ["repeated", "out_of_range", "negative"])
 def test_corrupt_pivots_refused_on_load(tiny_dirs, tmp_path, damage):
-    """Row 5: a repeated pivot loaded and ran silently wrong; one out of range loaded, then IndexError at the first forward."""
+    """Row 5: a repeated pivot loaded and ran silently wrong; one out of range loaded, then IndexError at the first
+    forward."""
     from safetensors.torch import save_file
 
     _, tensors = _pivoted(tiny_dirs, tmp_path)
@@ -476,7 +477,8 @@ def test_folder_rewritten_while_loading_is_refused(tiny_dirs, tmp_path, monkeypa
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path).eval()(ids).logits, other.eval()(ids).logits)
 
 
-@pytest.mark.parametrize("kw, field", [(dict(rank=4, bits=4.0), "bits"), (dict(target_bytes=0.4, bit_choices=[4.0, 3.0]), "bit_choices"),
+@pytest.mark.parametrize("kw, field", [(dict(rank=4, bits=4.0), "bits"),
+                                       (dict(target_bytes=0.4, bit_choices=[4.0, 3.0]), "bit_choices"),
                                        (dict(rank=4, bits=4.5), "bits"), (dict(rank=4, factor_bits=8.0), "factor_bits"),
                                        (dict(rank=4, embedding_bits=8.0), "embedding_bits")])
 def test_qlr_float_bits_refused_when_the_config_is_built(kw, field, tiny_with_tokenizer, tmp_path, capsys):
@@ -498,7 +500,8 @@ def test_qlr_rank_above_every_matrix_refused(tiny_dirs):
     LASER refuses it, before any weight loads. A rank above some matrices' full rank only: cut there, with a warning
     naming them and the bytes."""
     cfg = TensorCompressionConfig(method="qlr", rank=1000, calibration=calib(), progress=False, group_size=16)
-    with pytest.raises(ValueError, match=r"rank: got 1000 but the largest full rank .* is 48 .*allowed: an int in \[0, 48\]"):
+    with pytest.raises(ValueError, match=r"rank: got 1000 but the largest full rank .* is 48 .*allowed: an int in "
+                                         r"\[0, 48\]"):
         AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg)
     cfg = TensorCompressionConfig(method="qlr", rank=32, calibration=calib(), progress=False, group_size=16,
                                   targets=["self_attn.*_proj"], layers=[0])
@@ -513,3 +516,79 @@ def test_qlr_any_explicit_rank_with_target_bytes_refused(rank):
     with pytest.raises(ValueError, match=rf"rank: got {rank}; allowed: None with target_bytes="):
         TensorCompressionConfig(method="qlr", rank=rank, target_bytes=0.4, calibration="wikipedia")
     assert TensorCompressionConfig(method="qlr", target_bytes=0.4, calibration="wikipedia").rank is None
+
+
+# ---------------------------------------------------------------- third round: no writer touches its own input
+def _tree(folder):
+    """Every path under `folder` with its bytes (files) or None (folders): what "nothing touched" compares."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(Path(folder).rglob("*"))}
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "holds"])
+def test_compressing_into_or_around_the_source_is_refused_up_front(tiny_with_tokenizer, tmp_path, capsys, where):
+    """Row 1: ``compress_checkpoint(S, S, ..., overwrite=True)`` deleted the dense source's shards and put the
+    compressed ones in their place. An out that is the source, lies inside it or holds it is refused before any
+    work, by the API, the CLI's --stream and the CLI's in-memory path; nothing is touched."""
+    import shutil
+
+    src = tmp_path / "parent" / "dense"
+    shutil.copytree(tiny_with_tokenizer, src)
+    out = {"same": src, "inside": src / "compressed", "holds": src.parent}[where]
+    before = _tree(tmp_path)
+    cfg = TensorCompressionConfig(method="qlr", rank=4, calibration=calib(), progress=False, group_size=16)
+    said = {"same": "is", "inside": "lies inside", "holds": "holds"}[where]
+    with pytest.raises(ValueError, match=rf"^compress_checkpoint: out: .* {said} the input .*; allowed: a folder apart "
+                                         r"from it \(nothing was touched\)"):
+        hf_tensorcomp.compress_checkpoint(src, out, cfg, overwrite=True)
+    for stream in (["--stream"], []):
+        argv = ["compress", str(src), "--method", "qlr", "--rank", "4", "--option", "group_size=16", "--calibration",
+                "wikipedia", "--no-eval", "--quiet", "--out", str(out), "--overwrite", *stream]
+        assert cli(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"hf-tensorcomp: error: --out: {out} {said} the input") and "\n" not in err, err
+    assert _tree(tmp_path) == before
+
+
+def test_writers_never_touch_their_input_nor_what_they_did_not_create(tiny_with_tokenizer, tmp_path, capsys):
+    """Must-be-true 3: every writer of the library refuses, before any work, an output that is, lies inside or
+    holds its input, and a non-empty output it did not create unless told to overwrite; what it writes goes to a
+    temporary sibling renamed into place (no temporary file left)."""
+    import shutil
+
+    from hf_tensorcomp.hybrid import build_hybrid
+    from hf_tensorcomp.integration.peft import export_qlr
+
+    src = tmp_path / "dense"
+    shutil.copytree(tiny_with_tokenizer, src)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine")
+    table = tmp_path / "table.json"
+    table.write_text("{}")
+    before = _tree(tmp_path)
+    # a compressed model saved over the dense checkpoint it was made from (heal's default teacher)
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=TensorCompressionConfig(
+        method="qlr", rank=4, group_size=16, calibration=calib(), progress=False))
+    with pytest.raises(ValueError, match=r"^save_pretrained: .* is the dense checkpoint this model was compressed from"):
+        model.save_pretrained(src)
+    # export_qlr: into a folder it did not create, the two outputs one folder, an output inside its input
+    with pytest.raises(ValueError, match=r"^export_qlr: base_dir: .*mine exists and is not empty; allowed: .*overwrite=True"):
+        export_qlr(model, mine, tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"^export_qlr: adapter_dir: .*out is the input"):
+        export_qlr(model, tmp_path / "out", tmp_path / "out")
+    # linearize into its own model folder; into a folder it did not create
+    with pytest.raises(ValueError, match=r"^build_hybrid: out: .*dense is the input"):
+        build_hybrid(str(src), src, overwrite=True)
+    with pytest.raises(ValueError, match=r"^build_hybrid: out: .*mine exists and is not empty"):
+        build_hybrid(str(src), mine)
+    # the CLI's sweep table: an existing file is replaced only with --overwrite, checked before the sweep runs
+    argv = ["sweep", str(src), "--layers", "0", "--ranks", "4", "--out", str(table)]
+    capsys.readouterr()
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hf-tensorcomp: error: --out: {table} exists; allowed: a new file") and "\n" not in err, err
+    assert _tree(tmp_path) == before
+    # a writer's temporary sibling never stays: the model card, replaced in place
+    hf_tensorcomp.write_model_card(model, mine)
+    hf_tensorcomp.write_model_card(model, mine)
+    assert sorted(p.name for p in mine.iterdir()) == ["README.md", "keep.txt"]

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 
 import pytest
 
@@ -27,9 +28,12 @@ def test_compress_recipe_on_bundled_model(tmp_path, capsys):
     recipe.write_text(json.dumps({"method": "laser", "rank": 16, "targets": ["mlp.down_proj"], "layers": [-1]}))
     assert main(["compress", "--recipe", str(recipe), "--out", str(out), "--max-eval-tokens", "512", "--quiet"]) == 0
     text = capsys.readouterr().out
-    assert "parameters" in text and "perplexity" in text and "size on disk" in text
+    assert "values stored" in text and "bytes on disk" in text and "OpenWebText" in text and "[{" not in text
+    assert "method       laser" in text and "rank         16" in text and "mlp.down_proj in layers 29" in text
     report = json.loads((out / "compression_report.json").read_text())
-    assert report["params_before"] - report["params_after"] == 1536 * 576 - 16 * (1536 + 576 - 16)  # pivoted
+    # the factors of rank 16 and the pivoted factor's column order (one int per input) replace the matrix
+    assert report["dense_values"] - report["values"] == 1536 * 576 - 16 * (1536 + 576 - 16) - 1536
+    assert set(report["ppl"]) == set(report["dense_ppl"]) == {"wikipedia", "owt"}
     assert report["bytes"] < report["dense_bytes"]
     assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".smol")]  # no temp folder left
@@ -136,14 +140,48 @@ def test_peers_are_reported_beside_the_compressed_model(tmp_path, capsys):
     out = tmp_path / "smol"
     assert main(["compress", "smollm2", "--method", "laser", "--rank", "16", "--targets", "mlp.down_proj", "--layers", "-1",
                  "--peers", "--max-eval-tokens", "512", "--out", str(out), "--quiet"]) == 0
-    assert "quanto int4: perplexity" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "quanto int4: in memory" in text and "\nquanto int4 " in text  # its bytes row and its perplexity row
     r = json.loads((out / "compression_report.json").read_text())
     int8, int4 = r["peers"]
     assert (int8["name"], int4["name"]) == ("quanto int8", "quanto int4")
     assert int4["memory_bytes"] < int8["memory_bytes"] < r["memory_bytes"] < r["dense_memory_bytes"]
-    assert abs(int8["ppl"] / r["dense_ppl"] - 1) < 0.01 < int4["ppl"] / r["dense_ppl"] - 1
+    for t in ("wikipedia", "owt"):
+        assert abs(int8["ppl"][t] / r["dense_ppl"][t] - 1) < 0.01 < int4["ppl"][t] / r["dense_ppl"][t] - 1
     assert main(["compress", "smollm2", "--rank", "4", "--peers", "--no-eval", "--out", str(tmp_path / "x")]) == 2
     assert "--peers" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_report_says_what_was_done_in_words_and_counts_quantized_codes(tiny_with_tokenizer, tmp_path, capsys):
+    """The report's header is words (the method, where, its budget or rank, the bits it chose, the calibration),
+    not a Python list of dicts; it scores both bundled corpora; and it counts every value stored: a 4-bit model
+    stores a code for every weight (in buffers, which ``num_parameters()`` misses), so it stores no fewer values
+    than the dense model, in fewer bytes."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_tensorcomp.eval.peers import stored_values
+
+    out = tmp_path / "out"
+    assert main(["compress", str(tiny_with_tokenizer), "--method", "qlr", "--rank", "0", "--option", "quantizer=rtn",
+                 "--option", "whiten=false", "--option", "rotate=false", "--option", "group_size=16", "--embedding-bits", "8",
+                 "--max-eval-tokens", "128", "--context-length", "32", "--stride", "32", "--out", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    header = text[text.index("hf_tensorcomp report"): text.index("\nsize")]
+    assert "[{" not in text and "{'" not in text and "\nparameters" not in text
+    assert "method       qlr (a quantized weight" in header and "rank         0" in header
+    assert "4-bit x21 matrices" in header and "8-bit codes" in header and "calibration  none (data-free)" in header
+    assert "Wikipedia" in text and "OpenWebText" in text and "vs bfloat16" in text
+    r = json.loads((out / "compression_report.json").read_text())
+    assert r["header"] == header.strip("\n").splitlines()[: len(r["header"])]
+    assert set(r["ppl"]) == set(r["dense_ppl"]) == {"wikipedia", "owt"}
+    m = AutoModelForCausalLM.from_pretrained(out)
+    codes = sum(math.prod(q[2]) for mod in m.modules() for q in mod.__dict__.get("_qfactors", {}).values())
+    assert codes >= 3 * 7 * 48 * 48  # every decoder linear and the table are codes now
+    assert r["values"] == stored_values(m) > codes + sum(p.numel() for p in m.parameters())
+    assert r["values"] >= r["dense_values"] == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(
+        tiny_with_tokenizer).parameters())
+    assert r["memory_bytes"] < r["dense_bf16_bytes"] < r["dense_memory_bytes"]
+    assert "values stored (each weight" in (out / "README.md").read_text()  # the card counts them likewise
 
 
 def test_quanto_weight_only_names_its_bits(tiny_dirs):

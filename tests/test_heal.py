@@ -480,3 +480,153 @@ def test_inverse_cdf_sampler_draws_the_softmax_distribution():
     assert freq[3:].sum() == 0 and torch.allclose(freq[:3], p[:3], atol=0.015)
     freq = torch.bincount(InverseCDFSampler(never=0)(None, scores).argmax(1), minlength=10).float() / 20_000
     assert freq[0] == 0 and torch.allclose(freq[1:3], torch.tensor([0.6, 0.4]), atol=0.015)  # renormalized
+
+
+# ---------------------------------------------------------------- issue 84: interrupted, self-taught or ill-fed healing
+_INTERRUPTED = r'''
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+import hf_tensorcomp
+from hf_tensorcomp import TensorCompressionConfig
+
+dense, cases = sys.argv[1], json.loads(sys.argv[2])
+calibration = torch.randint(0, 101, (16, 32), generator=torch.Generator().manual_seed(5))
+real = hf_tensorcomp.training.adam_step
+for name, kw, heal in cases:
+    cfg = TensorCompressionConfig(progress=False, **kw, **({"calibration": calibration} if kw["method"] == "qlr" else {}))
+    model = AutoModelForCausalLM.from_pretrained(dense, quantization_config=cfg).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    steps = []
+
+    def slow(*a, **k):  # training goes on, slowly, until the parent's SIGINT lands
+        steps.append(real(*a, **k))
+        if len(steps) == 3:
+            print("training", name, flush=True)
+        if len(steps) >= 3:
+            time.sleep(0.02)
+        return steps[-1]
+
+    hf_tensorcomp.training.adam_step = hf_tensorcomp.healing.adam_step = slow
+    try:
+        hf_tensorcomp.heal(model, calibration=calibration, samples=16, length=32, progress=False, lr=3e-2, **heal)
+        result = {"case": name, "interrupted": False}
+    except KeyboardInterrupt:
+        after = model.state_dict()
+        changed = [k for k in before if k not in after or not torch.equal(before[k], after[k])
+                   or before[k].dtype != after[k].dtype]
+        result = {"case": name, "interrupted": True, "steps": len(steps), "changed": changed,
+                  "keys": sorted(after) == sorted(before), "healed": "heal" in model.config.quantization_config.stats,
+                  "grad": any(p.requires_grad is False for p in model.parameters())}
+    print(json.dumps(result), flush=True)
+'''
+
+
+def test_an_interrupted_heal_leaves_the_model_exactly_as_it_came(tiny_dirs, tmp_path):
+    """Issue 84 row 7: SIGINT (Ctrl-C) in the middle of healing — a qlr model training everything, LASER's pivoted
+    factors and norms end to end, and layer by layer — leaves every tensor of the model as it came, bit for bit
+    (was: 33 / 47 tensors changed, LASER's norms trained, no stats['heal']: it saved as if never healed)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    cases = [["qlr-all", {"method": "qlr", "rank": 4, "group_size": 16}, {"train": "all", "steps": 100000}],
+             ["laser-pivoted", {"method": "laser", "rank": 4, "pivoted": True}, {"steps": 100000}],
+             ["laser-layerwise", {"method": "laser", "rank": 4}, {"mode": "layerwise", "layer_steps": 100000}]]
+    script = tmp_path / "child.py"
+    script.write_text(_INTERRUPTED)
+    child = subprocess.Popen([sys.executable, str(script), str(tiny_dirs["llama"]), json.dumps(cases)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = []
+    try:
+        for name, _, _ in cases:
+            line = child.stdout.readline()
+            assert line.split() == ["training", name], (line, child.stderr.read() if not line else "")
+            child.send_signal(signal.SIGINT)
+            results.append(json.loads(child.stdout.readline()))
+        assert child.wait(timeout=120) == 0, child.stderr.read()
+    finally:
+        child.kill()
+    for r in results:
+        assert r["interrupted"] and r["steps"] >= 3, r
+        assert r["changed"] == [] and r["keys"] and not r["healed"], r
+
+
+def test_healing_an_uncompressed_model_without_a_teacher_is_refused(tiny_dirs):
+    """Issue 84 row 8: a dense model and teacher=None would be its own teacher (was: KL 0.0 → -0.0 reported as an
+    improvement, 5 norm weights changed): refused before any work, the model untouched."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^heal: this model is not compressed.*its own teacher.*allowed: "
+                                         r"teacher=<a model or its folder>"):
+        hf_tensorcomp.heal(model, steps=5, **SETTINGS)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_improvement_within_numerical_noise_is_not_one(tiny_dirs, monkeypatch):
+    """Issue 84 row 8: a held-out loss lower than the start's by float rounding only (1e-9 of it) is no improvement:
+    the model is put back bit for bit and the report says improved=False."""
+    model = compressed(tiny_dirs, pivoted=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    script = iter([(0.5, 20.0), (0.5 * (1 - 1e-9), 20.0), (0.5 * (1 - 2e-9), 20.0)])  # steps 0, 10, 20
+    scripted = lambda *a, **kw: next(script)  # noqa: E731
+    monkeypatch.setattr(hf_tensorcomp.healing, "held_out_loss", scripted)
+    monkeypatch.setattr(hf_tensorcomp.training, "held_out_loss", scripted)
+    with pytest.warns(UserWarning, match="did not lower the held-out loss"):
+        report = hf_tensorcomp.heal(model, steps=20, lr=3e-3, **SETTINGS)
+    assert not report["improved"] and report["held_out_kl_after"] == report["held_out_kl_before"]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _refused_before_any_work(model, monkeypatch, match, **kw):
+    """heal(model, **kw) raises a one-line ValueError matching `match` before it reads a calibration window or
+    loads a teacher, and leaves the model as it came."""
+    from transformers import AutoModelForCausalLM as Auto
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loaded = []
+    real = Auto.from_pretrained.__func__
+    monkeypatch.setattr(Auto, "from_pretrained", classmethod(lambda cls, *a, **k: loaded.append(a) or real(cls, *a, **k)))
+    with pytest.raises(ValueError, match=match) as e:
+        hf_tensorcomp.heal(model, **{**SETTINGS, "steps": 5, **kw})
+    assert "\n" not in str(e.value) and loaded == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_one_token_windows_are_refused_in_one_line(tiny_dirs, monkeypatch):
+    """Issue 84 row 9: calibration windows of 1 token (was: ZeroDivisionError)."""
+    _refused_before_any_work(compressed(tiny_dirs), monkeypatch, r"^heal: calibration windows of 1 token; allowed: "
+                             r"windows of at least 2 tokens", calibration=calib(length=1))
+
+
+def test_calibration_ids_outside_the_vocabulary_get_compressions_message(tiny_dirs, monkeypatch):
+    """Issue 84 row 10: ids >= the vocabulary (was: a raw IndexError in the embedding): compression's message."""
+    ids = calib()
+    ids[3, 7] = 500
+    _refused_before_any_work(compressed(tiny_dirs), monkeypatch, r"^TensorCompressionConfig\.calibration: token id 500 is "
+                             r"outside the model's vocabulary of 101 \(1 such ids\); allowed: ids in \[0, 101\)",
+                             calibration=ids)
+
+
+def test_a_teacher_of_another_vocabulary_or_shape_is_refused_before_any_work(tiny_dirs, tmp_path, monkeypatch):
+    """Issue 84 row 11: a teacher whose vocabulary differs (was: loaded, scored, then a shape error in the KL), as a
+    folder (read from its config alone) or as a model; layer by layer, one whose decoder layers differ too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    common = dict(hidden_size=48, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2)
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=200, num_hidden_layers=3, **common))
+    other.save_pretrained(tmp_path / "other")
+    model = compressed(tiny_dirs)
+    vocab = r"^heal: teacher: a vocabulary of 200 tokens, the model's 101; allowed: a teacher with the model's vocabulary"
+    _refused_before_any_work(model, monkeypatch, vocab, teacher=str(tmp_path / "other"))
+    _refused_before_any_work(model, monkeypatch, vocab, teacher=other)
+    deeper = LlamaForCausalLM(LlamaConfig(vocab_size=101, num_hidden_layers=4, **common))
+    _refused_before_any_work(model, monkeypatch, r"^heal: teacher: 4 decoder layers of width 48, the model's 3 of width 48; "
+                             r"allowed: .*mode='e2e'", teacher=deeper, mode="layerwise")
+
+
+def test_a_teacher_folder_that_does_not_exist_is_named(tiny_dirs, monkeypatch):
+    """Issue 84 row 12: teacher='/no/such/dir' (was: an error about repo id syntax)."""
+    _refused_before_any_work(compressed(tiny_dirs), monkeypatch, r"^heal: teacher: /no/such/dir: no such folder; allowed: ",
+                             teacher="/no/such/dir")

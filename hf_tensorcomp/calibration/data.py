@@ -115,6 +115,17 @@ def calibration_ids(value: Any, tokenizer, samples: int, length: int, seed: int)
     return torch.tensor([bos + ids[i * length:(i + 1) * length] for i in pick], dtype=torch.long)
 
 
+def check_vocabulary(ids: torch.Tensor, model) -> torch.Tensor:
+    """`ids` if every id lies in `model`'s vocabulary (its input embeddings), else the one-line error compression and
+    healing both give."""
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if bad.numel():
+        raise ValueError(f"TensorCompressionConfig.calibration: token id {int(bad[0])} is outside the model's vocabulary "
+                         f"of {vocab} ({bad.numel()} such ids); allowed: ids in [0, {vocab}), or texts")
+    return ids
+
+
 def calibration_tokenizer(model, calibration, tokenizer=None):
     """The tokenizer for calibration texts: `tokenizer` (object or path), else the model's own folder's;
     None for token ids."""

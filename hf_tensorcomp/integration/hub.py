@@ -112,7 +112,16 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
         if bits:
             lines.append("\nBits per stored matrix: " + ", ".join(f"{b} ×{n}" for b, n in sorted(bits.items())) + ".")
         before, after = st.get("params_before"), st.get("params_after")
-        lines += ["", f"- parameters: {before:,} → {after:,} ({after / before:.3f} of the original)",
+        if any(m.__dict__.get("_qfactors") for m in model.modules()):  # codes are buffers: parameters() misses them
+            from ..eval.peers import stored_values
+
+            values = stored_values(model)
+            counted = (f"- values stored (each weight, integer code, scale and zero point once): {before:,} → {values:,} "
+                       f"({values / before:.3f} of the original); {after:,} of them float parameters, the quantized "
+                       "codes being buffers")
+        else:
+            counted = f"- parameters: {before:,} → {after:,} ({after / before:.3f} of the original)"
+        lines += ["", counted,
                   *([f"- bytes stored: {st['bytes_before']:,} → {st['bytes_after']:,} "
                      f"({st['bytes_after'] / st['bytes_before']:.3f} of the original)"] if st.get("bytes_before") else []),
                   *([f"- compression passes: {st['passes']}"] if st.get("passes") else []),
@@ -145,11 +154,14 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
 
 def write_model_card(model, directory, results: dict | None = None, base_model: str | None = None,
                      repo_id: str | None = None) -> str:
+    """Write the model card (`model_card`) as ``README.md`` in `directory`, replacing one there (a temporary sibling
+    renamed into place: a reader sees the old card or the new one)."""
+    from .io import atomic_file
+
     path = os.path.join(directory, "README.md")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(model_card(model, results, base_model, repo_id))
-    os.replace(tmp, path)
+    text = model_card(model, results, base_model, repo_id)
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
     return path
 
 

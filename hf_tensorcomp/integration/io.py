@@ -10,6 +10,11 @@ the second one fails instead of replacing the first.
 
 `make_save_atomic` routes a model's ``save_pretrained`` through `atomic_dir` (the quantizer does it
 for every model it compresses or reloads).
+
+Readers are not protected during a rewrite: a reader may see the old config beside new weights. A
+compressed checkpoint whose files change between its header check and the end of its load is refused
+(`hf_tensorcomp.checks.check_unchanged`), never returned half old, half new: load it again once the
+writer is done.
 """
 
 from __future__ import annotations
@@ -124,6 +129,44 @@ def atomic_dir(target, overwrite: bool = True):
         raise
 
 
+def refuse_overlap(out, inputs, who: str, what: str = "the input") -> None:
+    """The writers' rule, checked before any work: an output never is, lies inside or holds one of its inputs
+    (symbolic links followed). Raises ValueError naming `who` (e.g. ``"compress_checkpoint: out"``) and `what` the
+    input is."""
+    o = Path(os.path.realpath(out))
+    for src in inputs:
+        if src is None:
+            continue
+        s = Path(os.path.realpath(src))
+        said = "is" if o == s else "lies inside" if s in o.parents else "holds" if o in s.parents else None
+        if said:
+            raise ValueError(f"{who}: {out} {said} {what} {src}; allowed: a folder apart from it (nothing was touched)")
+
+
+@contextlib.contextmanager
+def atomic_file(path, overwrite: bool = True):
+    """Yield a temporary sibling path of the file `path` (``.NAME.hf_tensorcomp-tmp-PID-XXXX``, not created); when
+    the block completes, what was written there replaces `path` in one rename, else it is removed.
+
+    overwrite: if False and `path` exists, raise FileExistsError (before the block runs, and again at the rename).
+    """
+    path = Path(os.path.abspath(path))
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: a folder; allowed: a file path")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path}: exists; allowed: a new file, or overwrite")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}{TAG}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        yield tmp
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path}: exists (another writer may have finished first); allowed: a new file, or "
+                                  "overwrite")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def unmerged_lora_layers(model) -> list[str]:
     """Names of the PEFT LoRA layers injected in `model` and not merged (a state dict no loader expects)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -142,6 +185,10 @@ def save_pretrained(self, save_directory, *args, **kwargs):
                 "allowed: peft_model.merge_and_unload() first (LASER layers absorb the adapter), or "
                 "peft_model.save_pretrained(dir) to save the adapter the PEFT way (reload it with "
                 "hf_tensorcomp.integration.peft.load_lora); nothing was written")
+    record = getattr(getattr(self, "config", None), "quantization_config", None)
+    source = (getattr(record, "stats", None) or {}).get("source")
+    if source and os.path.isdir(source):  # never over its own input (heal's default teacher)
+        refuse_overlap(save_directory, [source], "save_pretrained", "the dense checkpoint this model was compressed from:")
     if os.path.isfile(save_directory):
         return save(self, save_directory, *args, **kwargs)  # transformers' own error
     with atomic_dir(save_directory, overwrite=True) as tmp:

@@ -21,6 +21,8 @@ into them stops with a ValueError; their adapters stay separate.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from peft import LoraConfig, PeftModel
 from peft.tuners.lora.layer import Linear as _LoraLinear
@@ -101,7 +103,8 @@ def load_lora(model, adapter_dir, **kwargs) -> PeftModel:
     return PeftModel.from_pretrained(model, adapter_dir, config=config, **kwargs)
 
 
-def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "dequantized") -> tuple[str, str]:
+def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "dequantized",
+               overwrite: bool = False) -> tuple[str, str]:
     """Export a ``qlr`` model as the pair other tools run: a quantized base plus a LoRA adapter.
 
     (a) `base_dir`, loadable without hf_tensorcomp: with ``base_format="dequantized"`` (default) a
@@ -112,17 +115,27 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "deq
     matrix's input width). (b) `adapter_dir`: a PEFT LoRA adapter holding each layer's correction
     (``lora_A`` = A, ``lora_B`` = B, scaling 1, the rank of each layer in ``rank_pattern``).
     ``PeftModel.from_pretrained(<the base>, adapter_dir)`` computes what the hf_tensorcomp model
-    computes. Returns the two folders.
+    computes. Returns the two folders. Each is a new or empty folder, or with ``overwrite=True`` an existing
+    one (only the files written are replaced); the two apart from each other and from the folder the model
+    was loaded from.
     """
     import copy
 
     from peft import get_peft_model
 
-    from .io import atomic_dir
+    from .io import atomic_dir, refuse_overlap
 
     formats = ("dequantized", "compressed-tensors")
     if base_format not in formats:
         raise ValueError(f"export_qlr: base_format: got {base_format!r}; allowed: {' | '.join(map(repr, formats))}")
+    loaded_from = getattr(model, "name_or_path", None)
+    loaded_from = loaded_from if loaded_from and os.path.isdir(loaded_from) else None
+    refuse_overlap(base_dir, [loaded_from], "export_qlr: base_dir")
+    refuse_overlap(adapter_dir, [loaded_from, base_dir], "export_qlr: adapter_dir")
+    for field, folder in (("base_dir", base_dir), ("adapter_dir", adapter_dir)):
+        if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)) and not overwrite:
+            raise ValueError(f"export_qlr: {field}: {folder} exists and is not empty; allowed: a new or empty folder, or "
+                             "overwrite=True")
     plain_cfg = copy.deepcopy(model.config)
     for key in ("quantization_config",):
         if hasattr(plain_cfg, key):
@@ -157,10 +170,12 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "deq
         owner = name.rpartition(".")[0]
         if owner not in qlr and owner not in tables:
             state[name] = t
+    if not ranks:
+        raise ValueError("export_qlr: every qlr layer has rank 0 (no correction): the base alone is the model")
     base.load_state_dict(state, strict=False)
     base.tie_weights()
     base = base.to(dtype)
-    with atomic_dir(base_dir) as tmp:
+    with atomic_dir(base_dir, overwrite=overwrite) as tmp:
         if quant_config is None:
             base.save_pretrained(tmp)
         else:  # the replaced linears' weights go as their packed codes instead
@@ -179,8 +194,6 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "deq
             save_file({**rest, **packed}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             if base.generation_config is not None:
                 base.generation_config.save_pretrained(tmp)
-    if not ranks:
-        raise ValueError("export_qlr: every qlr layer has rank 0 (no correction): the base alone is the model")
     config = LoraConfig(r=max(ranks.values()), lora_alpha=max(ranks.values()), lora_dropout=0.0,
                         target_modules=sorted(ranks), rank_pattern=dict(ranks), alpha_pattern=dict(ranks))
     peft_model = get_peft_model(base, config)
@@ -189,6 +202,6 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "deq
             layer = peft_model.base_model.model.get_submodule(name)
             layer.lora_A["default"].weight.copy_(a)
             layer.lora_B["default"].weight.copy_(b)
-    with atomic_dir(adapter_dir) as tmp:
+    with atomic_dir(adapter_dir, overwrite=overwrite) as tmp:
         peft_model.save_pretrained(tmp)
     return str(base_dir), str(adapter_dir)

@@ -326,8 +326,12 @@ def activation_scales(model: nn.Module, tokenizer, texts: list[str] | None = Non
 
 
 def save_activation_scales(scales: dict[str, torch.Tensor], path) -> str:
-    """Write `activation_scales` output as safetensors (the file ``activation_scales=`` expects)."""
+    """Write `activation_scales` output as safetensors (the file ``activation_scales=`` expects), replacing a file
+    there (a temporary sibling renamed into place)."""
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous().float() for k, v in scales.items()}, str(path))
+    from ...integration.io import atomic_file
+
+    with atomic_file(path) as tmp:
+        save_file({k: v.contiguous().float() for k, v in scales.items()}, str(tmp))
     return str(path)
