@@ -395,7 +395,7 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
         measured = _measured(alloc, ladders, layer_list, runner, model, table) if alloc.measured else None
         budget = alloc.budget * total
         try:
-            rungs = allocate_rungs(ladders, budget)
+            rungs = allocate_rungs(ladders, budget, seed=_uniform_seed(alloc, ladders, budget))
         except ValueError as e:
             field = "target_bytes" if m.byte_budget else "target"
             table_note = f" (the embedding table's {ladders[table][0][0]:,.0f} included)" if table is not None else ""
@@ -413,6 +413,19 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
         alloc.rungs = rungs
         alloc.report["kept_dense"] = sorted(f"{n}" for n, j in rungs.items() if j == len(ladders[n][0]) - 1)
     return out
+
+
+def _uniform_seed(alloc, ladders: dict, budget: float) -> dict | None:
+    """The rungs of the most expensive plain setting every module offers (`Allocation.uniform`: qlr's one width,
+    rank 0) that fits the budget, which the allocation must not lose to; None when there is none."""
+    common = set.intersection(*(set(u) for u in alloc.uniform.values())) if alloc.uniform else set()
+    fitting = []
+    for setting in common:
+        seed = {n: u[setting] for n, u in alloc.uniform.items()}
+        cost = sum(ladders[n][0][seed.get(n, 0)] for n in ladders)
+        if cost <= budget:
+            fitting.append((cost, seed))
+    return max(fitting, key=lambda f: f[0])[1] if fitting else None
 
 
 def _measured(alloc, ladders: dict, layer_list, runner, model, table) -> dict[int, float]:

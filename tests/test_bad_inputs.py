@@ -69,6 +69,15 @@ GUARDED = [
     ("qlr bits=4.0, bit_choices=[4.0, 3.0], CLI --option bits=4.0", "refused when the config is built; CLI exit 2", "test_bad_inputs.py::test_qlr_float_bits_refused_when_the_config_is_built"),
     ("qlr rank above every matrix's full rank", "refused before weights load, with the bound; above some: a warning naming them and the bytes", "test_bad_inputs.py::test_qlr_rank_above_every_matrix_refused"),
     ("qlr with an explicit rank (the default 32 too) and target_bytes", "refused", "test_bad_inputs.py::test_qlr_any_explicit_rank_with_target_bytes_refused"),
+    ("compress_checkpoint / CLI --out (--stream or not) that is, lies inside or holds the source, with overwrite", "refused up front naming both, nothing touched (was: the dense source's shards deleted)", "test_bad_inputs.py::test_compressing_into_or_around_the_source_is_refused_up_front"),
+    ("a writer's output over its input or over a folder / file it did not create (save_pretrained over the dense source, export_qlr, build_hybrid, sweep --out)", "refused before any work unless overwrite; written to a temporary sibling renamed into place", "test_bad_inputs.py::test_writers_never_touch_their_input_nor_what_they_did_not_create"),
+    ("SIGINT / any exception during heal (qlr train='all', LASER pivoted, layer-wise), in a child process", "the model exactly as it came, bit for bit (was: partly trained, saved as if never healed)", "test_heal.py::test_an_interrupted_heal_leaves_the_model_exactly_as_it_came"),
+    ("heal on an uncompressed model with teacher=None", "refused: it would be its own teacher; the model untouched (was: improved=True for KL 0.0 -> -0.0, norms changed)", "test_heal.py::test_healing_an_uncompressed_model_without_a_teacher_is_refused"),
+    ("heal whose held-out loss falls by float rounding only", "improved=False, the model bit-identical", "test_heal.py::test_an_improvement_within_numerical_noise_is_not_one"),
+    ("heal with calibration windows of 1 token", "one line: windows need at least 2 tokens (was: ZeroDivisionError)", "test_heal.py::test_one_token_windows_are_refused_in_one_line"),
+    ("heal with calibration ids >= the vocabulary", "compression's one-line message, before any work (was: IndexError)", "test_heal.py::test_calibration_ids_outside_the_vocabulary_get_compressions_message"),
+    ("heal with a teacher of another vocabulary (folder or model); layer-wise, of other decoder layers", "refused from its config before any work (was: a shape error in the KL after loading and scoring)", "test_heal.py::test_a_teacher_of_another_vocabulary_or_shape_is_refused_before_any_work"),
+    ("heal(teacher='/no/such/dir')", "'heal: teacher: /no/such/dir: no such folder' (was: a repo id syntax error)", "test_heal.py::test_a_teacher_folder_that_does_not_exist_is_named"),
 ]
 
 

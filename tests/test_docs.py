@@ -162,12 +162,10 @@ def _tiny(kind: str, folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def stand_ins(tmp_path_factory):
+def make_stand_ins(mktemp) -> dict:
     """{"smollm2": tiny Llama folder, "gemma3": tiny Gemma-3 folder, "hybrid": a function giving the tiny Llama with
-    layer 1 linearized (built on first use)}."""
-    out = {"smollm2": _tiny("llama", tmp_path_factory.mktemp("smollm2")),
-           "gemma3": _tiny("gemma3", tmp_path_factory.mktemp("gemma3"))}
+    layer 1 linearized (built on first use)}; `mktemp(name)` gives a new folder."""
+    out = {"smollm2": _tiny("llama", mktemp("smollm2")), "gemma3": _tiny("gemma3", mktemp("gemma3"))}
     built = []
 
     def hybrid(*args, **kwargs):
@@ -176,16 +174,21 @@ def stand_ins(tmp_path_factory):
 
             from hf_tensorcomp import TensorCompressionConfig
 
-            ids = torch.randint(0, 100, (8, 32), generator=torch.Generator().manual_seed(0))
-            cfg = TensorCompressionConfig(method="linearize", layers=[1], epochs=8, calibration=ids, progress=False)
+            ids = torch.randint(0, 100, (16, 64), generator=torch.Generator().manual_seed(0))
+            cfg = TensorCompressionConfig(method="linearize", layers=[1], epochs=8, lr=3e-3, calibration=ids, progress=False)
             model = AutoModelForCausalLM.from_pretrained(out["smollm2"], quantization_config=cfg)
-            built.append(tmp_path_factory.mktemp("hybrid"))
+            built.append(mktemp("hybrid"))
             model.save_pretrained(built[0])
             _tokenizer(built[0])
         return built[0]
 
     out["hybrid"] = hybrid
     return out
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    return make_stand_ins(tmp_path_factory.mktemp)
 
 
 def _run_bash(body: str) -> None:

@@ -466,14 +466,14 @@ def test_int4_kernel_computes_the_dequantized_product(out_f, in_f, group, bits):
     q = quantize_rtn(w, bits, group)  # 2- and 3-bit codes are 4-bit codes using part of the range; 5, 6, 8: two calls
     kernel = Int4Kernel.build(q)
     assert kernel is not None and kernel.padded % group == 0  # 576 = 4.5 groups of 128: the short group padded
-    assert len(kernel.parts) == (2 if bits > 4 else 1)
+    assert len(kernel.parts) == 1 and kernel.repeats == (2 if bits > 4 else 1)  # 5, 6, 8 bits: one call, two nibbles
     ref = x.bfloat16().float() @ q.dequantize().T  # the same product in float32
     y = kernel(x.bfloat16())
     assert y.shape == (5, 3, out_f) and y.dtype == torch.bfloat16
     assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()  # bfloat16 rounding of scales and output only
-    if bits > 4:  # two calls, each rounded to bfloat16: within twice a bfloat16 product's error of the float32 one
+    if bits > 4:  # both nibbles summed in float32 in one call, rounded once: within a bfloat16 product's error
         bf16 = torch.nn.functional.linear(x.bfloat16(), q.dequantize().bfloat16()).float()
-        assert (y.float() - ref).abs().max() <= 2 * (bf16 - ref).abs().max()
+        assert (y.float() - ref).abs().max() <= 1.5 * (bf16 - ref).abs().max()
     assert Int4Kernel.build(quantize_rtn(w, 4, 48)) is None
     assert Int4Kernel.build(quantize_rtn(w[: out_f - 8], 4, group)) is None  # the kernel needs rows in multiples of 16
 

@@ -101,3 +101,20 @@ def test_no_import_circles():
     inits = {m for m, p in _modules().items() if p.name == "__init__.py"}
     pruned = {m: {t for t in ts if t not in inits or not m.startswith(t + ".")} for m, ts in graph.items()}
     assert cycles(pruned) == []
+
+
+def test_heal_settings_are_checked_without_the_trainer():
+    """The config validates ``heal=`` through `heal_settings` (which needs nothing but `validation`), never
+    importing the healing trainer."""
+    graph = import_graph()
+
+    def reach(module):
+        seen, todo = set(), [module]
+        while todo:
+            for t in graph[todo.pop()] - seen:
+                seen.add(t)
+                todo.append(t)
+        return seen
+
+    assert reach("hf_tensorcomp.heal_settings") <= {"hf_tensorcomp.validation"}
+    assert "hf_tensorcomp.healing" not in reach("hf_tensorcomp.config")

@@ -7,7 +7,10 @@ energy). Every matrix starts on its first rung; the rung whose loss saved per un
 across all matrices is climbed next, as long as it fits, until nothing fits. With convex ladders
 (singular values sorted, so each further rank saves less) this greedy rule is the optimum of the
 relaxed problem; the budget is never exceeded, and what is left unspent is smaller than the cheapest
-rung that could still be climbed.
+rung that could still be climbed. Ladders are not always convex (a quantizer's widths beside its correction
+ranks), and then the climb from the cheapest rungs can end worse than a plain setting that fits: given that
+setting (``seed``, e.g. one width everywhere), the climb is made from it as well and the lower total loss kept,
+so an allocation never loses to the setting it contains (by the loss it is given).
 """
 
 from __future__ import annotations
@@ -18,13 +21,33 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 
-def allocate(ladders: dict[Hashable, tuple[Sequence[float], Sequence[float]]], budget: float) -> dict[Hashable, int]:
+def allocate(ladders: dict[Hashable, tuple[Sequence[float], Sequence[float]]], budget: float,
+             seed: dict[Hashable, int] | None = None) -> dict[Hashable, int]:
     """``ladders[key] = (costs, losses)`` (same length, costs increasing); returns the chosen rung per key.
 
-    Raises ValueError if even the first rungs exceed the budget.
+    ``seed`` ({key: rung}, keys absent on rung 0): a setting to climb from as well when it fits the budget; the
+    climb with the lower total loss is returned (ties: the seed's). Raises ValueError if even the first rungs
+    exceed the budget.
     """
-    chosen = {k: 0 for k in ladders}
-    spent = sum(c[0] for c, _ in ladders.values())
+    chosen = _climb(ladders, budget, {k: 0 for k in ladders})
+    if seed:
+        start = {k: seed.get(k, 0) for k in ladders}
+        if sum(ladders[k][0][j] for k, j in start.items()) <= budget:
+            seeded = _climb(ladders, budget, start)
+            if total_loss(ladders, seeded) <= total_loss(ladders, chosen):
+                return seeded
+    return chosen
+
+
+def total_loss(ladders: dict[Hashable, tuple[Sequence[float], Sequence[float]]], rungs: dict[Hashable, int]) -> float:
+    """The summed loss of the rungs chosen (what `allocate` minimises)."""
+    return float(sum(ladders[k][1][j] for k, j in rungs.items()))
+
+
+def _climb(ladders, budget: float, chosen: dict) -> dict:
+    """The greedy rule from the rungs `chosen` (updated in place and returned): the step with the most loss saved
+    per unit of cost next, while it fits."""
+    spent = sum(ladders[k][0][j] for k, j in chosen.items())
     if spent > budget:
         raise ValueError(f"budget {budget:,.0f} is below the cheapest setting of every matrix ({spent:,.0f})")
     heap = []
@@ -39,15 +62,13 @@ def allocate(ladders: dict[Hashable, tuple[Sequence[float], Sequence[float]]], b
 
     for k in ladders:
         push(k)
-    blocked = []
     while heap:
         _, _, k, dc = heapq.heappop(heap)
         if spent + dc <= budget:
             spent += dc
             chosen[k] += 1
             push(k)
-        else:
-            blocked.append(k)  # this matrix stops here: climbing further would break the budget
+        # else: this matrix stops here, climbing further would break the budget
     return chosen
 
 

@@ -103,6 +103,9 @@ class Allocation:
     settings: dict[str, list] = field(default_factory=dict)
     #: {module name: a callable giving its weight at its cheapest rung}, kept by `ladder` when `measured`
     probes: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    #: {module name: {a setting every module may take (qlr: a width, rank 0): the rung that stands for it}}: the
+    #: plain settings the allocation must not lose to (`decompositions.allocation.allocate`'s ``seed``)
+    uniform: dict[str, dict] = field(default_factory=dict)
     #: {module name: the index of the rung chosen}, once allocated
     rungs: dict[str, int] = field(default_factory=dict)
     #: what the allocation reports (``config.stats["allocation"]``)

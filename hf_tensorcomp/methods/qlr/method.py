@@ -300,6 +300,9 @@ class QuantizedLowRank(Method):
             if not front or loss < front[-1][1]:
                 front.append((cost, loss, setting))
         alloc.settings[name] = [p[2] for p in front]
+        # each width with no correction, or the front's rung that costs no more and loses no more (the seed the
+        # budget climbs from as well: it never ends below one width everywhere, where that fits)
+        alloc.uniform[name] = {s[0]: max(j for j, p in enumerate(front) if p[0] <= c) for c, _, s in points if s[1] == 0}
         return [p[0] for p in front], [p[1] for p in front]
 
     def compress(self, modules, entry, ctx):
