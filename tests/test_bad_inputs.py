@@ -601,3 +601,31 @@ def test_writers_never_touch_their_input_nor_what_they_did_not_create(tiny_with_
     hf_tensorcomp.write_model_card(model, mine)
     hf_tensorcomp.write_model_card(model, mine)
     assert sorted(p.name for p in mine.iterdir()) == ["README.md", "keep.txt"]
+
+
+# ---------------------------------------------------------------- third round: what a checkpoint's config sizes
+@pytest.mark.parametrize("field,value", [("group_size", 2**20), ("group_size", 10**12), ("group_size", 8),
+                                         ("bits", 16), ("rank", 10**12)])
+def test_qlr_checkpoint_config_fields_bounded_before_any_allocation(tiny_dirs, tmp_path, field, value):
+    """Row 4: a qlr checkpoint whose config.json set a module's ``quant.weight.group_size`` to 2**20 passed every
+    check (any group at least a row long gives one scale per row: the stored shapes still matched) and the first
+    forward padded each row to 2**20 values (~1.2 GB for a 96 x 64 matrix; 10**12: a 384 TB allocation error).
+    Every field is now bounded and checked against the stored tensors before anything is sized by it."""
+    from hf_tensorcomp.decompositions.quantize import _groups
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+        method="qlr", rank=4, group_size=64, calibration=calib(), progress=False, targets=["mlp.*"]))
+    model.save_pretrained(tmp_path)  # up_proj: 96 x 48, one group per row
+    cfg_file = tmp_path / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    spec = cfg["quantization_config"]["compressed_modules"]["model.layers.0.mlp.up_proj"]
+    if field == "rank":
+        spec["rank"] = value
+    else:
+        spec["quant"]["weight"][field] = value
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"compressed_modules\['model\.layers\.0\.mlp\.up_proj'\]\.(quant|rank)"
+                                         rf"|model\.layers\.0\.mlp\.up_proj\.lora_A: the checkpoint holds shape"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    # and the quantizer never pads a row beyond its own length: a group longer than a row is the row
+    assert _groups(torch.ones(96, 48), 10**12).shape == (96, 48)

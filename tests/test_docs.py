@@ -215,6 +215,15 @@ def test_code_blocks_run(page, stand_ins, tmp_path, monkeypatch):
     monkeypatch.setattr(hf_tensorcomp.hybrid, "linearized_path", stand_ins["hybrid"])
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TQDM_DISABLE", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: a second thread buys nothing, and spins on a busy machine
+    try:
+        _run_page(page)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_page(page: Path) -> None:
     namespace = {"__name__": "__docs__"}
     for i, b in enumerate(_runnable(page)):
         where = f"{_name(page)}, block {i + 1} ({b['first'][:60]!r})"

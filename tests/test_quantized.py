@@ -855,3 +855,44 @@ def test_a_measured_allocation_is_refused_while_streaming(tiny_dirs, tmp_path):
                                   allocation="measured")
     with pytest.raises(ValueError, match="'measured'.*streaming never holds"):
         hf_tensorcomp.compress_checkpoint(tiny_dirs["llama"], tmp_path / "out", cfg)
+
+
+def test_a_budget_climbs_from_the_uniform_setting_too():
+    # non-convex ladders (equal costs 1..4): the climb from the cheapest rungs spends M0's steps first (large gains)
+    # and past rung 2, and then cannot bring the last matrix to rung 2: 1.45 against 1.10 for rung 2 everywhere
+    from hf_tensorcomp.decompositions.allocation import allocate, total_loss
+
+    costs = [1.0, 2.0, 3.0, 4.0]
+    ladders = {"m0": (costs, [1.0, 0.2, 0.1, 0.0]), "m1": (costs, [1.0, 0.95, 0.5, 0.49]), "m2": (costs, [1.0, 0.95, 0.5, 0.49])}
+    greedy = allocate(ladders, 9.0)
+    assert total_loss(ladders, greedy) == pytest.approx(1.45)
+    uniform = {k: 2 for k in ladders}
+    got = allocate(ladders, 9.0, seed=uniform)
+    assert got == uniform and total_loss(ladders, got) == pytest.approx(1.10)
+    assert allocate(ladders, 8.0, seed=uniform) == allocate(ladders, 8.0)  # a seed that does not fit: ignored
+    # with more budget than the seed needs both climb and the lower loss is kept
+    assert allocate(ladders, 12.0, seed=uniform) == {k: 3 for k in ladders}
+
+
+def test_a_byte_budget_never_loses_to_one_width_everywhere(tiny_dirs, monkeypatch):
+    # every matrix offered 2, 3, 4 and 8 bits (no correction) with losses shaped like the ladders above: the first
+    # matrix's narrow steps save the most, everyone else's saving comes at 4 bits. The budget holds 4 bits
+    # everywhere; the climb from 2 bits took the first matrix to 8 bits and left another below 4 bits
+    from hf_tensorcomp.methods import get_method
+
+    qlr = type(get_method("qlr"))
+    first = []
+
+    def ladder(self, name, module, stats, entry, alloc, **kw):
+        settings = [(b, 0) for b in (2, 3, 4, 8)]
+        alloc.settings[name] = settings
+        alloc.uniform[name] = {b: j for j, (b, _) in enumerate(settings)}
+        first.append(name) if not first else None
+        losses = [1.0, 0.2, 0.1, 0.0] if name == first[0] else [1.0, 0.95, 0.5, 0.49]
+        return [self._rung_bytes(module, b, 0, entry) / 2 for b, _ in settings], losses
+
+    monkeypatch.setattr(qlr, "ladder", ladder)
+    # groups of 16, unrotated: 4-bit codes cost (64 + 3 * 8) / 256 = 0.34375 of the bf16 bytes
+    m = _qlr(tiny_dirs, target_bytes=0.3438, bit_choices=[2, 3, 4, 8], rotate=False, grid="minmax")
+    bits = {v["bits"] for v in m.config.quantization_config.stats["modules"].values()}
+    assert bits == {4}

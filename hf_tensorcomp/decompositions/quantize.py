@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZE_RANGE = (16, 8192)  # the group sizes a config (``group_size``, ``embedding_group_size``) and a saved spec allow
 
 
 @dataclass
@@ -67,8 +68,11 @@ def stored_bytes(shape, bits: int, group_size: int) -> int:
 
 
 def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(groups, group_size) view of `w`, each row padded with zeros to whole groups."""
+    """(groups, group_size) view of `w`, each row padded with zeros to whole groups. A group longer than a row
+    is the row (the same groups, scales and values: zero padding changes neither a grid nor a code), so no
+    group size, whatever a file says, makes this allocate more than `w`."""
     rows, cols = _rows_cols(tuple(w.shape))
+    group_size = min(group_size, max(cols, 1))
     flat = w.reshape(rows, cols)
     pad = -cols % group_size
     if pad:

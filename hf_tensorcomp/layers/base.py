@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..decompositions.quantize import BITS, Int4Kernel, QTensor, code_bytes, n_groups, pack, quantize_rtn, unpack
+from ..decompositions.quantize import BITS, GROUP_SIZE_RANGE, Int4Kernel, QTensor, code_bytes, n_groups, pack, quantize_rtn, unpack
 
 LAYER_TYPES: dict[str, type["FactorizedModule"]] = {}
 
@@ -78,11 +78,15 @@ class FactorizedModule(nn.Module):
             if not ok:
                 raise ValueError(f"compressed_modules[{name!r}].{field}: got {value!r}; allowed: {allowed}")
         quant = spec.get("quant", {})
+        # group_size sizes the de-quantized groups: bounded as the config bounds it (a group at least a row long
+        # gives one scale per row, so the stored shapes alone could not tell 64 from 2**20)
+        lo, hi = GROUP_SIZE_RANGE
         if not isinstance(quant, dict) or not all(
-                isinstance(q, dict) and set(q) == {"bits", "group_size"} and q["bits"] in BITS and _is_int(q["group_size"], 1)
-                for q in quant.values()):
+                isinstance(q, dict) and set(q) == {"bits", "group_size"} and q["bits"] in BITS
+                and _is_int(q["group_size"], lo) and q["group_size"] <= hi for q in quant.values()):
             raise ValueError(f"compressed_modules[{name!r}].quant: got {quant!r}; allowed: {{factor name: {{'bits': "
-                             f"{' | '.join(map(str, BITS))}, 'group_size': int >= 1}}}}")
+                             f"{' | '.join(map(str, BITS))}, 'group_size': an int in [{lo}, {hi}]}}}}; the checkpoint's "
+                             "config.json is corrupt or edited")
         if spec.get("new", False) is not (cls.build_order < 0):
             raise ValueError(f"compressed_modules[{name!r}].new: got {spec.get('new')!r}; allowed: "
                              f"{cls.build_order < 0} for layer {cls.layer_type!r}")
