@@ -152,20 +152,7 @@ def cmd_compress(args) -> int:
                                   **({"embedding_bits": args.embedding_bits} if args.embedding_bits else {}),
                                   **({"heal": args.heal} if args.heal is not None else {}),
                                   **dict(args.option or []))
-    if args.peers and (args.no_eval or args.stream):
-        raise ValueError("--peers: allowed: only with perplexity evaluation (no --no-eval, no --stream)")
-    if args.peers:  # fails now, before any work, without optimum-quanto
-        from .eval.peers import import_quanto
-
-        try:
-            import_quanto()
-        except ImportError:
-            raise ValueError("--peers: optimum-quanto is not installed; allowed: pip install \"hf_tensorcomp[quanto]\", "
-                             "or leave --peers out") from None
-    if args.states_dir is not None and not args.stream:
-        raise ValueError(f"--states-dir: got {args.states_dir!r}; allowed: only with --stream")
-    if args.device != "cpu" and not args.stream:
-        raise ValueError(f"--device: got {args.device!r}; allowed: cpu, or another device only with --stream")
+    _check_compress_flags(args)
     out = Path(args.out)
     _check_out(out, args.overwrite)
     src = _resolve(args.model)
@@ -175,17 +162,7 @@ def cmd_compress(args) -> int:
         refuse_overlap(out, [src], "--out")
     dtype = getattr(torch, args.dtype)
     if args.stream:
-        from . import compress_checkpoint
-
-        report = compress_checkpoint(src, out, cfg, dtype=dtype, overwrite=args.overwrite, states_dir=args.states_dir,
-                                     device=args.device)
-        shown = {k: v for k, v in report.items() if k != "stats"}
-        if "heal" in report["stats"]:  # layer-wise, while streaming: each layer's MSE to its dense outputs
-            h = report["stats"]["heal"]
-            shown["heal"] = {"mode": h["mode"], "seconds": h["seconds"], "layers": [
-                (r["layer"], r["mse_before"], r["mse_after"]) for r in h["layerwise"]["layers"]]}
-        print(json.dumps(shown, indent=2))
-        return 0
+        return _compress_streaming(src, out, cfg, dtype, args)
     try:
         tok = transformers.AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as e:
@@ -248,6 +225,40 @@ def cmd_compress(args) -> int:
 
     with atomic_file(out / "compression_report.json") as tmp:
         tmp.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _check_compress_flags(args) -> None:
+    """``compress``'s flags that go together refused before any work (``--peers`` without optimum-quanto too)."""
+    if args.peers and (args.no_eval or args.stream):
+        raise ValueError("--peers: allowed: only with perplexity evaluation (no --no-eval, no --stream)")
+    if args.peers:  # fails now, before any work, without optimum-quanto
+        from .eval.peers import import_quanto
+
+        try:
+            import_quanto()
+        except ImportError:
+            raise ValueError("--peers: optimum-quanto is not installed; allowed: pip install \"hf_tensorcomp[quanto]\", "
+                             "or leave --peers out") from None
+    if args.states_dir is not None and not args.stream:
+        raise ValueError(f"--states-dir: got {args.states_dir!r}; allowed: only with --stream")
+    if args.device != "cpu" and not args.stream:
+        raise ValueError(f"--device: got {args.device!r}; allowed: cpu, or another device only with --stream")
+
+
+def _compress_streaming(src, out: Path, cfg, dtype, args) -> int:
+    """``compress --stream``: `compress_checkpoint`, its report printed (with layer-wise healing, each layer's MSE
+    to its dense outputs)."""
+    from . import compress_checkpoint
+
+    report = compress_checkpoint(src, out, cfg, dtype=dtype, overwrite=args.overwrite, states_dir=args.states_dir,
+                                 device=args.device)
+    shown = {k: v for k, v in report.items() if k != "stats"}
+    if "heal" in report["stats"]:  # layer-wise, while streaming: each layer's MSE to its dense outputs
+        h = report["stats"]["heal"]
+        shown["heal"] = {"mode": h["mode"], "seconds": h["seconds"], "layers": [
+            (r["layer"], r["mse_before"], r["mse_after"]) for r in h["layerwise"]["layers"]]}
+    print(json.dumps(shown, indent=2))
     return 0
 
 
@@ -620,6 +631,9 @@ def _apply_recipe(parser: argparse.ArgumentParser, argv) -> None:
     if "option" in recipe:
         recipe["option"] = list(recipe["option"].items())
     compress.set_defaults(**recipe)
+    for action in compress._actions:  # a required flag the recipe gives (``out``) is no longer required; the flag wins
+        if action.dest in recipe:
+            action.required = False
 
 
 def main(argv=None) -> int:
@@ -632,6 +646,16 @@ def main(argv=None) -> int:
     except ValueError as err:  # configuration errors: one clear line, nothing written
         print(f"hf-tensorcomp: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except (OSError, MemoryError) as err:  # expected failures (a missing file, a read-only or full disk, no memory): one line
+        what = f"{err.filename}: {err.strerror}" if isinstance(err, OSError) and err.filename and err.strerror else \
+            (str(err) or type(err).__name__)
+        print(f"hf-tensorcomp: error: {' '.join(what.split())}; outputs are only renamed into place when complete, so "
+              "none was left half-written", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT (128 + 2), not a failure's 2
+        print("hf-tensorcomp: interrupted; outputs are only renamed into place when complete, so none was left "
+              "half-written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -629,3 +629,72 @@ def test_qlr_checkpoint_config_fields_bounded_before_any_allocation(tiny_dirs, t
         AutoModelForCausalLM.from_pretrained(tmp_path)
     # and the quantizer never pads a row beyond its own length: a group longer than a row is the row
     assert _groups(torch.ones(96, 48), 10**12).shape == (96, 48)
+
+
+# ---------------------------------------------------------------- third round: the CLI's expected failures, recipes
+_CHILD = "import sys; from hf_tensorcomp.cli import main; sys.exit(main(sys.argv[1:]))"
+# the same CLI, interrupted (a real SIGINT to itself) once the first unit's factors are checked: a run mid-way
+_INTERRUPTED = ("import os, signal, sys; from hf_tensorcomp import checks; real = checks.check_outputs\n"
+                "def hit(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT); return real(*a, **k)\n"
+                "checks.check_outputs = hit\n" + _CHILD)
+
+
+def _run_cli(code, argv, cwd):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, env=env)
+
+
+def test_cli_expected_failures_are_one_line_exit_2(tiny_with_tokenizer, tmp_path):
+    """Row 17: --out in a read-only folder, --out under a file with --stream, a shard missing without --stream,
+    a run interrupted with Ctrl-C: raw tracebacks, exit 1 (the CLI caught only ValueError). Now one line each;
+    exit 2 for every expected failure, 130 (the shell's code for SIGINT) for an interrupt; nothing left behind.
+    Run in a child process, as a user runs it."""
+    import shutil
+
+    src = tmp_path / "src"
+    shard = _untied_sharded(tiny_with_tokenizer, src)
+    (tmp_path / "afile").write_text("x")
+    args = ["--rank", "4", "--targets", "mlp.*", "--quiet", "--no-eval"]
+    cases = [(["compress", src, "--stream", "--rank", "4", "--targets", "mlp.*", "--quiet", "--out",
+               tmp_path / "afile" / "out"], _CHILD, 2, r"afile"),
+             (["compress", src, *args, "--out", tmp_path / "out"], _INTERRUPTED, 130, r"^hf-tensorcomp: interrupted"),
+             (["compress", src, "--stream", "--rank", "4", "--targets", "mlp.*", "--quiet", "--out", tmp_path / "out"],
+              _INTERRUPTED, 130, r"^hf-tensorcomp: interrupted")]
+    if os.geteuid() != 0:  # root writes into a read-only folder anyway
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        cases.append((["compress", src, *args, "--out", ro / "out"], _CHILD, 2, r"ro"))
+    missing = tmp_path / "missing"
+    shutil.copytree(src, missing)
+    (missing / shard.name).unlink()
+    cases.append((["compress", missing, *args, "--out", tmp_path / "out"], _CHILD, 2, shard.name))
+    before = _tree(tmp_path)
+    for argv, code, rc, says in cases:
+        r = _run_cli(code, argv, tmp_path)
+        err = r.stderr.strip().splitlines()
+        err = [line for line in err if "it/s]" not in line and line.strip()]  # progress bars of the loader
+        assert r.returncode == rc and len(err) == 1 and "Traceback" not in r.stderr, (argv, r.returncode, r.stderr[-2000:])
+        assert err[0].startswith("hf-tensorcomp: ") and __import__("re").search(says, err[0]), err
+        assert _tree(tmp_path) == before, argv  # no --out, no temporary sibling
+
+
+def test_recipe_out_is_honoured_and_the_flag_wins(tiny_with_tokenizer, tmp_path):
+    """Row 18: a recipe with "out" and no --out: argparse printed its usage and "required: --out" though "out" is
+    among the recipe's keys. The recipe's "out" is used; --out, when given too, wins."""
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"description": "x", "rank": 4, "targets": ["mlp.*"], "no_eval": True, "quiet": True,
+                                  "out": str(tmp_path / "from_recipe")}))
+    assert cli(["compress", str(tiny_with_tokenizer), "--recipe", str(recipe)]) == 0
+    assert (tmp_path / "from_recipe" / "config.json").exists()
+    assert cli(["compress", str(tiny_with_tokenizer), "--recipe", str(recipe), "--out", str(tmp_path / "flag")]) == 0
+    assert (tmp_path / "flag" / "config.json").exists() and len(list((tmp_path / "from_recipe").iterdir())) > 0
+    sweep = tmp_path / "sweep.json"  # sweep's "out" too
+    sweep.write_text(json.dumps({"layers": [0], "ranks": [4], "out": str(tmp_path / "table.json"),
+                                 "max_eval_tokens": 64, "context_length": 32, "stride": 32, "text": "wikipedia"}))
+    assert cli(["sweep", str(tiny_with_tokenizer), "--recipe", str(sweep)]) == 0
+    assert (tmp_path / "table.json").exists()

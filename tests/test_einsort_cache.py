@@ -481,3 +481,22 @@ def test_bad_error_settings_name_the_field(llama, kwargs, field):
 def test_budget_below_the_quantized_error_fails_at_construction(llama):
     with pytest.raises(ValueError, match=r"EinSortCache\.rank: got 0\.1; allowed: a byte fraction >= .*its error at 4 bits"):
         EinSortCache(llama.config, rank=0.1, segment=4, error_bits=4)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(rank=1000), dict(rank=1000, low_memory=False), dict(sort="full"),
+                                    dict(network="tt"), dict(error_bits=4)])
+def test_one_token_segments_work(llama, padded, kwargs):
+    """Issue 84 row 16: ``segment=1, residual=8`` was accepted, then a reshape error once the first segment was
+    compressed (a one-token segment sorted by channel needs no permutation bits: an empty part, whose rows
+    ``reshape(-1, 0)`` cannot infer). It works: lossless at full rank (greedy and beams), lossy at the default."""
+    kw = dict(max_new_tokens=6, pad_token_id=0, do_sample=False)
+    cache = EinSortCache(llama.config, segment=1, residual=8, **kwargs)
+    out = llama.generate(**padded, past_key_values=cache, **kw)
+    layer = cache.layers[0]
+    assert layer.n_segments == 13 + 6 - 1 - 8 and cache.nbytes() > 0
+    if kwargs.get("rank") == 1000:
+        assert torch.equal(out, llama.generate(**padded, **kw))
+        beams = dict(num_beams=2, num_return_sequences=2)
+        assert torch.equal(llama.generate(**padded, past_key_values=EinSortCache(llama.config, segment=1, residual=8,
+                                                                                 **kwargs), **beams, **kw),
+                           llama.generate(**padded, **beams, **kw))

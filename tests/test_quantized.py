@@ -888,7 +888,7 @@ def test_a_byte_budget_never_loses_to_one_width_everywhere(tiny_dirs, monkeypatc
         alloc.settings[name] = settings
         alloc.uniform[name] = {b: j for j, (b, _) in enumerate(settings)}
         first.append(name) if not first else None
-        losses = [1.0, 0.2, 0.1, 0.0] if name == first[0] else [1.0, 0.95, 0.5, 0.49]
+        losses = [10.0, 2.0, 1.0, 0.8] if name == first[0] else [1.0, 0.99, 0.5, 0.49]
         return [self._rung_bytes(module, b, 0, entry) / 2 for b, _ in settings], losses
 
     monkeypatch.setattr(qlr, "ladder", ladder)

@@ -103,6 +103,24 @@ def load_lora(model, adapter_dir, **kwargs) -> PeftModel:
     return PeftModel.from_pretrained(model, adapter_dir, config=config, **kwargs)
 
 
+def _check_export_folders(model, base_dir, adapter_dir, base_format: str, overwrite: bool) -> None:
+    """`export_qlr`'s format and folders refused before anything is written: the two apart from each other and from
+    the folder the model was loaded from, each new or empty unless ``overwrite``."""
+    from .io import refuse_overlap
+
+    formats = ("dequantized", "compressed-tensors")
+    if base_format not in formats:
+        raise ValueError(f"export_qlr: base_format: got {base_format!r}; allowed: {' | '.join(map(repr, formats))}")
+    loaded_from = getattr(model, "name_or_path", None)
+    loaded_from = loaded_from if loaded_from and os.path.isdir(loaded_from) else None
+    refuse_overlap(base_dir, [loaded_from], "export_qlr: base_dir")
+    refuse_overlap(adapter_dir, [loaded_from, base_dir], "export_qlr: adapter_dir")
+    for field, folder in (("base_dir", base_dir), ("adapter_dir", adapter_dir)):
+        if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)) and not overwrite:
+            raise ValueError(f"export_qlr: {field}: {folder} exists and is not empty; allowed: a new or empty folder, or "
+                             "overwrite=True")
+
+
 def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "dequantized",
                overwrite: bool = False) -> tuple[str, str]:
     """Export a ``qlr`` model as the pair other tools run: a quantized base plus a LoRA adapter.
@@ -123,19 +141,9 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "deq
 
     from peft import get_peft_model
 
-    from .io import atomic_dir, refuse_overlap
+    from .io import atomic_dir
 
-    formats = ("dequantized", "compressed-tensors")
-    if base_format not in formats:
-        raise ValueError(f"export_qlr: base_format: got {base_format!r}; allowed: {' | '.join(map(repr, formats))}")
-    loaded_from = getattr(model, "name_or_path", None)
-    loaded_from = loaded_from if loaded_from and os.path.isdir(loaded_from) else None
-    refuse_overlap(base_dir, [loaded_from], "export_qlr: base_dir")
-    refuse_overlap(adapter_dir, [loaded_from, base_dir], "export_qlr: adapter_dir")
-    for field, folder in (("base_dir", base_dir), ("adapter_dir", adapter_dir)):
-        if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)) and not overwrite:
-            raise ValueError(f"export_qlr: {field}: {folder} exists and is not empty; allowed: a new or empty folder, or "
-                             "overwrite=True")
+    _check_export_folders(model, base_dir, adapter_dir, base_format, overwrite)
     plain_cfg = copy.deepcopy(model.config)
     for key in ("quantization_config",):
         if hasattr(plain_cfg, key):

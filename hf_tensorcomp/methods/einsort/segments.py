@@ -414,7 +414,9 @@ def rebuild_segments(tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.
     """
     lay = _layout(_meta_key(meta))
     batch = tensors["cores"].shape[:-1]
-    tensors = {k: t.reshape(-1, t.shape[-1]) for k, t in tensors.items()}
+    # explicit row count: a part may be empty (segment=1 sorted by channel: each channel's one token needs no
+    # permutation bits), and -1 cannot be inferred from 0 entries
+    tensors = {k: t.reshape(batch.numel(), t.shape[-1]) for k, t in tensors.items()}
     flat = tensors["cores"].float()  # contracted in float32, as `TensorNetwork.contract`
     n = flat.shape[0]
     piv_bits = _bits(tensors["pivots"]) if "pivots" in tensors else None
