@@ -60,10 +60,11 @@ def weight_only_peers(load_dense, tok, max_tokens: int) -> list[dict]:
 
 
 @torch.inference_mode()
-def decode_tokens_per_s(model, tok, new_tokens: int = 32, repeats: int = 3) -> float:
-    """Greedy decode speed, batch 1, 32-token prompt; median of `repeats` after one warm-up."""
-    prompt = " ".join(load_text("wikipedia", "eval")[0].split()[:24])
-    ids = tok(prompt, return_tensors="pt").input_ids[:, :32]
+def decode_tokens_per_s(model, tok, new_tokens: int = 32, repeats: int = 3, prompt_tokens: int = 32) -> float:
+    """Greedy decode speed, batch 1, a `prompt_tokens`-token prompt (held-out Wikipedia); median of `repeats`
+    after one warm-up."""
+    prompt = " ".join(load_text("wikipedia", "eval")[0].split()[: prompt_tokens * 3])
+    ids = tok(prompt, return_tensors="pt").input_ids[:, :prompt_tokens]
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=kw["pad_token_id"])

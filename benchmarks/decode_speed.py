@@ -12,6 +12,10 @@ each decoding once with every row (after a 4-token warm-up), the median and the 
     python benchmarks/decode_speed.py
     python benchmarks/decode_speed.py --report-only
     python benchmarks/decode_speed.py --recipe R   # R: {"models": [...], "rows": [...], "retime": true}
+
+Every speed is measured at each thread count of ``threads`` (a list; "default": PyTorch's own default on this
+machine, what a user gets), one table column per count, the count stated. ``saved`` rows time a model folder as
+written (e.g. the main job's ``--out``), reloaded as a user reloads it: {"saved": {"main_job": "/tmp/out_main"}}.
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ DEFAULTS = {
     "group_size": 128,
     "calibration_samples": 32,
     "calibration_length": 256,
-    "threads": 1,
+    "threads": [1, "default"],  # each timed; "default": torch.get_num_threads() as the child starts (a user's)
+    "dtypes": ["fp32", "bf16"],
+    "prompt_tokens": 32,
+    "new_tokens": 32,
+    "saved": {},  # row label -> a saved model folder, reloaded and timed as it is
+    "note": "",  # said under the header (e.g. what else ran on the machine)
     "build_threads": os.cpu_count() or 1,  # compression only: speed depends on the shapes, not on the codes
     "rounds": 5,
     "retime": False,  # True: time the models again although all their rows are in the JSON (after a speed fix)
@@ -75,6 +84,10 @@ def _build(job: dict, path, label: str, dtype, compressed: dict):
     from hf_tensorcomp.methods.qlr import share_input_rotations
     from hf_tensorcomp.eval.peers import quanto_weight_only
 
+    if label in job["saved"]:
+        import hf_tensorcomp  # noqa: F401  (the quantizer registered)
+
+        return AutoModelForCausalLM.from_pretrained(job["saved"][label], dtype=dtype).eval()
     if label in ROWS:
         if label not in compressed:
             opts = dict(ROWS[label])
@@ -87,7 +100,7 @@ def _build(job: dict, path, label: str, dtype, compressed: dict):
                 compressed[label] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                                          quantization_config=cfg).eval()
             finally:
-                set_threads(job["threads"])
+                set_threads(job["timing_threads"][0])
             share_input_rotations(compressed[label], share)  # False: each rotated linear rotates its own input
         return compressed[label].to(dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -102,16 +115,24 @@ def _model(job: dict, q) -> None:
 
     import torch
 
-    path, tok, base = child_setup({**job, "row": None})
-    out = {label: {**base, "row": label, "rounds": job["rounds"]} for label in job["rows"]}
+    default = torch.get_num_threads()  # PyTorch's default in a fresh process: what a user gets
+    job["timing_threads"] = list(dict.fromkeys(default if t == "default" else t for t in job["threads"]))
+    path, tok, base = child_setup({**job, "threads": job["timing_threads"][0], "row": None})
+    out = {label: {**base, "row": label, "rounds": job["rounds"], "default_threads": default,
+                   "prompt_tokens": job["prompt_tokens"], "new_tokens": job["new_tokens"]} for label in job["rows"]}
     compressed: dict = {}
-    for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        models = {label: _build(job, path, label, dtype, compressed) for label in job["rows"]}
-        with torch.no_grad():
-            speeds = interleaved(models, {"": lambda m: decode_tokens_per_s(m, tok, repeats=1)}, job["rounds"], list)
-        for label in job["rows"]:
-            v = speeds[f"{label} "]
-            out[label].update({f"tok_s_{key}": statistics.median(v), f"tok_s_{key}_best": max(v), f"tok_s_{key}_all": v})
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    for key in job["dtypes"]:
+        models = {label: _build(job, path, label, dtypes[key], compressed) for label in job["rows"]}
+        for n in job["timing_threads"]:
+            set_threads(n)
+            with torch.no_grad():
+                speeds = interleaved(models, {"": lambda m: decode_tokens_per_s(
+                    m, tok, new_tokens=job["new_tokens"], repeats=1, prompt_tokens=job["prompt_tokens"])}, job["rounds"], list)
+            for label in job["rows"]:
+                v = speeds[f"{label} "]
+                out[label].update({f"tok_s_{key}_t{n}": statistics.median(v), f"tok_s_{key}_t{n}_best": max(v),
+                                   f"tok_s_{key}_t{n}_all": v})
         del models
     q.put(list(out.values()))
 
@@ -123,12 +144,20 @@ def run(cfg: dict) -> list[dict]:
 
     from common import RESULTS, in_child, write_json
 
-    thread_count(cfg["threads"]), thread_count(cfg["build_threads"], "build_threads")  # before any child starts
+    if not isinstance(cfg["threads"], list) or not cfg["threads"]:
+        raise SystemExit(f"threads: got {cfg['threads']!r}; allowed: a non-empty list of ints >= 1 and \"default\"")
+    for t in cfg["threads"]:
+        if t != "default":
+            thread_count(t)
+    thread_count(cfg["build_threads"], "build_threads")  # before any child starts
+    unknown = sorted(set(cfg["dtypes"]) - {"fp32", "bf16"})
+    if unknown or not cfg["dtypes"]:
+        raise SystemExit(f"dtypes: got {cfg['dtypes']!r}; allowed: a non-empty list of \"fp32\" and \"bf16\"")
     if not isinstance(cfg["retime"], bool):
         raise SystemExit(f"retime: got {cfg['retime']!r}; allowed: true or false")
     path = RESULTS / f"{NAME}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
-    labels = list(dict.fromkeys(["dense", *cfg["rows"]]))
+    labels = list(dict.fromkeys(["dense", *cfg["rows"], *cfg["saved"]]))
     for model in cfg["models"]:
         if not cfg["retime"] and {(model, lb) for lb in labels} <= {(r["model"], r["row"]) for r in rows}:
             continue
@@ -141,20 +170,27 @@ def run(cfg: dict) -> list[dict]:
 
 
 def report(rows: list[dict]) -> str:
+    """Per model and dtype: tok/s and the ratio to the dense model at each thread count timed (rows written
+    before thread counts were recorded: their one count, 1)."""
     out = []
     for model, rs, dense in per_model(rows):
-        for r in rs:
-            for k in ("fp32", "bf16"):
-                r[f"x_{k}"] = r[f"tok_s_{k}"] / dense[f"tok_s_{k}"]
-                r[f"x_{k}_best"] = r.get(f"tok_s_{k}_best", r[f"tok_s_{k}"]) / dense.get(f"tok_s_{k}_best", dense[f"tok_s_{k}"])
-            r["x_bf16_vs_fp32_dense"] = r["tok_s_bf16"] / dense["tok_s_fp32"]
-        out.append(f"### {model}\n\nCPU (torch's dispatch): {dense.get('cpu', 'not recorded')}\n")
-        out.append(markdown_table(rs, [
-            ("row", "row", "{}"), ("tok_s_fp32", "tok/s float32 (median)", "{:.1f}"), ("x_fp32", "vs dense float32", "{:.2f}x"),
-            ("x_fp32_best", "best rounds' ratio", "{:.2f}x"), ("tok_s_bf16", "tok/s bfloat16 (median)", "{:.1f}"),
-            ("x_bf16", "vs dense bfloat16", "{:.2f}x"), ("x_bf16_best", "best rounds' ratio", "{:.2f}x"),
-            ("x_bf16_vs_fp32_dense", "bfloat16 vs dense float32", "{:.2f}x")]))
-        out.append("")
+        out.append(f"### {model}\n\nCPU (torch's dispatch): {dense.get('cpu', 'not recorded')}; PyTorch's default "
+                   f"threads here: {dense.get('default_threads', 'not recorded')}\n")
+        for key, name in (("fp32", "float32"), ("bf16", "bfloat16")):
+            counts = sorted({int(k.split("_t")[1]) for k in dense if k.startswith(f"tok_s_{key}_t") and k.count("_") == 3})
+            cols = [("row", "row", "{}")]
+            for n in counts:
+                for r in rs:
+                    if f"tok_s_{key}_t{n}" in r:
+                        r[f"x_{key}_t{n}"] = r[f"tok_s_{key}_t{n}"] / dense[f"tok_s_{key}_t{n}"]
+                cols += [(f"tok_s_{key}_t{n}", f"tok/s, {n} thread{'s' * (n > 1)}", "{:.1f}"),
+                         (f"x_{key}_t{n}", f"vs dense, {n} thread{'s' * (n > 1)}", "{:.2f}x")]
+            if not counts and f"tok_s_{key}" in dense:  # an old row: one thread
+                for r in rs:
+                    r[f"x_{key}"] = r[f"tok_s_{key}"] / dense[f"tok_s_{key}"]
+                cols += [(f"tok_s_{key}", "tok/s, 1 thread", "{:.1f}"), (f"x_{key}", "vs dense, 1 thread", "{:.2f}x")]
+            if len(cols) > 1:
+                out += [f"{name}:\n", markdown_table([r for r in rs if any(r.get(c[0]) is not None for c in cols[1:])], cols), ""]
     return "\n".join(out)
 
 
@@ -164,7 +200,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def header(cfg: dict) -> str:
     return ("# Decode speed of 4-bit weights, float32 and bfloat16\n\n"
-            f"Batch 1, greedy, 32 new tokens after a 32-token prompt, {cfg['threads']} thread(s), groups of "
+            f"Batch 1, greedy, {cfg['new_tokens']} new tokens after a {cfg['prompt_tokens']}-token prompt, timed at each "
+            f"thread count of {cfg['threads']} (\"default\": PyTorch's default, what a user gets; the count is in each "
+            "column), groups of "
             f"{cfg['group_size']}; every row of a model in one child process, timed in turns: {cfg['rounds']} rounds, "
             "each decoding once with every row; the median of the rounds and the ratio of the best rounds. `rtn4`: "
             "hf_tensorcomp's 4-bit codes (`qlr`, rank 0, `rotate=False`); `rtn4_rot`: the same with the input rotation "
@@ -179,8 +217,10 @@ def header(cfg: dict) -> str:
             "the table's bytes together, the table as 8-bit codes; round to nearest here), `bytes0.42_emb8_default_rot` the same "
             "at 0.42 (Gemma-3: the linears at about 0.27). "
             "2-, 3- and 4-bit codes run PyTorch's CPU int4 kernel, 5-, 6- and 8-bit codes two calls of it. The "
-            "compression (untimed) on every core, the timing on the thread count above. Nothing else running. "
-            "Written by benchmarks/decode_speed.py.\n\n")
+            "compression (untimed) on every core, the timing on the thread counts above. `saved` rows: a model folder "
+            "as written (e.g. `main_job`: the main job's output, `hf-tensorcomp compress --recipe recipes/qlr_smollm2.json`), "
+            "reloaded as a user reloads it. "
+            "Written by benchmarks/decode_speed.py.\n\n" + (f"{cfg['note']}\n\n" if cfg.get("note") else ""))
 
 
 if __name__ == "__main__":

@@ -185,6 +185,12 @@ ROWS["rtn3_search_rot"] = {**ROWS["gptq3_search_act_rot"], "quantizer": "rtn", "
 # the 3-bit class on the default calibration text with 4x its windows (128 x 256 tokens, half from each corpus):
 # GPTQ's Gram and the measured allocation's KL both seen on more of each kind of text
 ROWS["qlr_bytes_0.21_measured_mix_c128"] = {**ROWS["qlr_bytes_0.21_measured_mix"], "calibration_samples": 128}
+# what a user who writes only `TensorCompressionConfig(method="qlr", target_bytes=0.27)` gets: every option at the
+# library's default (calibration None: the library's own, both bundled corpora), beside the uniform setting that
+# budget holds (4-bit codes everywhere, no correction) on the same calibration; past the loop above, so none of the
+# older rows' settings apply
+ROWS["qlr_bytes_0.27_defaults"] = {"method": "qlr", "target_bytes": 0.27, "calibration": None}
+ROWS["qlr4_r0_defaults"] = {"method": "qlr", "bits": 4, "rank": 0, "calibration": None}
 
 
 def _linear_bytes(model) -> tuple[int, int]:

@@ -256,7 +256,8 @@ def test_quantized_factors_shrink_laser_and_none_changes_nothing(tiny_dirs, pivo
     r, i, o = 8, 48, 96
     cols, order = (i - r + o, 4 * i) if pivoted else (i + o, 0)  # pivoted: T and U, and the int32 column order
     assert sizes[None] == r * cols * 4 + order
-    assert sizes[8] == stored_bytes((r, cols), 8, 16) + order and sizes[4] == stored_bytes((r, cols), 4, 16) + order
+    # codes stored transposed (LowRankLinear.channel_groups): one row per channel, grouped along the rank
+    assert sizes[8] == stored_bytes((cols, r), 8, 16) + order and sizes[4] == stored_bytes((cols, r), 4, 16) + order
 
 
 def test_lora_on_a_qlr_layer_trains_and_merges(tiny_dirs, ids):
