@@ -324,8 +324,9 @@ def _header(model_name: str, out: Path, model, st: dict) -> list[str]:
             own.update(factor_bits=e.factor_bits)
         if (m.uses_group_size or e.factor_bits) and e.group_size != DEFAULT_GROUP_SIZE:
             own.update(group_size=e.group_size)
-        lines.append(f"  settings     {', '.join(f'{key}={json.dumps(v)}' for key, v in own.items()) or 'the defaults'}"
-                     f"{' (the rest at their defaults' if own else ' ('}: hf-tensorcomp methods {e.method})")
+        listed = ", ".join(f"{key}={json.dumps(v)}" for key, v in own.items())
+        lines.append(f"  settings     {listed + ' (the rest' if own else 'the defaults ('} listed by: "
+                     f"hf-tensorcomp methods {e.method})")
     if cfg.embedding_bits:
         emb = [s for s in st.get("modules", {}).values() if s.get("method") == "embedding"]
         b = emb[0].get("bits", cfg.embedding_bits) if emb else cfg.embedding_bits

@@ -47,7 +47,7 @@ def test_push_and_pull_compressed_model(hub, tiny_dirs, tmp_path, monkeypatch):
     card = open(hf_hub_download("user/tiny-laser", "README.md", endpoint=hub.url, cache_dir=tmp_path / "c",
                                 token=api.token)).read()
     assert "hf_tensorcomp" in card and "imported" in card
-    assert "| 0 | laser | 4 | 4 ×3 | mlp.* | [-1] | factorized |" in card and "| perplexity | 12.5 |" in card
+    assert "| 0 | laser | 4 | 4 ×3 | mlp.* | 2 | factorized |" in card and "| perplexity | 12.5 |" in card
     assert 'from_pretrained("user/tiny-laser")' in card  # the repo id, not a placeholder
     assert "parameters:" in card
     plain = hub.read_file("user/tiny-laser-plain", "README.md").decode()

@@ -44,9 +44,13 @@ def compression_config(model) -> TensorCompressionConfig:
 
 
 def _layers(entry, stats: dict | None, n_layers: int) -> str:
-    """The entry's layers as given, or (layers=None) the decoder layers its method actually changed."""
+    """The entry's layers (negative indices counted from the end, as given to the config), or (layers=None) the
+    decoder layers its method actually changed."""
     if entry.layers is not None:
-        return str(entry.layers)
+        from ..plan import resolve_layers
+
+        given = resolve_layers(entry.layers, n_layers)
+        return "all" if len(given) == n_layers else ", ".join(map(str, given))
     seen = sorted({int(n.split(".layers.", 1)[1].split(".", 1)[0]) for n, m in (stats or {}).get("modules", {}).items()
                    if m.get("method") == entry.method and ".layers." in n})
     return "all" if not seen or len(seen) == n_layers else ", ".join(map(str, seen))
