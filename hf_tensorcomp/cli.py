@@ -24,7 +24,7 @@ from pathlib import Path
 
 BUNDLED = ("smollm2", "gemma3")
 #: the registered method names, listed here so the parser needs no torch (a test checks they agree)
-METHODS = ("einsort", "laser", "linearize", "qlr", "rotor", "state_reduction", "tensorllm", "trawl")
+METHODS = ("einsort", "laser", "latent_kv", "linearize", "qlr", "rotor", "state_reduction", "tensorllm", "trawl")
 TEXT_SOURCES = ("wikipedia", "owt")
 
 
@@ -161,8 +161,11 @@ def cmd_compress(args) -> int:
 
         refuse_overlap(out, [src], "--out")
     dtype = getattr(torch, args.dtype)
+    from .distributed import is_main
+
+    main = is_main()  # under torchrun / accelerate launch: every rank compresses, rank 0 evaluates and writes
     if args.stream:
-        return _compress_streaming(src, out, cfg, dtype, args)
+        return _compress_streaming(src, out, cfg, dtype, args, main)
     try:
         tok = transformers.AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as e:
@@ -174,7 +177,7 @@ def cmd_compress(args) -> int:
     report = {"model": args.model, "out": str(out), "dtype": args.dtype, "config": cfg.to_dict()["entries"]}
     if cfg.embedding_bits:
         report["embedding_bits"] = cfg.embedding_bits
-    if not args.no_eval:
+    if not args.no_eval and main:
         report["eval"] = {"texts": texts, "context_length": args.context_length,
                           "stride": min(args.stride, args.context_length), "max_tokens": args.max_eval_tokens}
         dense = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
@@ -185,6 +188,8 @@ def cmd_compress(args) -> int:
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype, quantization_config=cfg)
     report["load_and_compress_s"] = round(time.perf_counter() - t0, 2)
+    if not main:
+        return 0
     from .integration.hub import compression_config
 
     st = compression_config(model).stats
@@ -246,13 +251,15 @@ def _check_compress_flags(args) -> None:
         raise ValueError(f"--device: got {args.device!r}; allowed: cpu, or another device only with --stream")
 
 
-def _compress_streaming(src, out: Path, cfg, dtype, args) -> int:
+def _compress_streaming(src, out: Path, cfg, dtype, args, main: bool = True) -> int:
     """``compress --stream``: `compress_checkpoint`, its report printed (with layer-wise healing, each layer's MSE
     to its dense outputs)."""
     from . import compress_checkpoint
 
     report = compress_checkpoint(src, out, cfg, dtype=dtype, overwrite=args.overwrite, states_dir=args.states_dir,
                                  device=args.device)
+    if not main:
+        return 0
     shown = {k: v for k, v in report.items() if k != "stats"}
     if "heal" in report["stats"]:  # layer-wise, while streaming: each layer's MSE to its dense outputs
         h = report["stats"]["heal"]

@@ -78,6 +78,9 @@ def final_gram(model: nn.Module, runner, final) -> torch.Tensor | None:
         for h in final:
             x = norm(h)
             stats.add(x.detach().reshape(-1, x.shape[-1]).float())
+    from . import distributed
+
+    distributed.reduce_stats(runner.group, {"head": stats}, runner.n_batches, "the head's inputs")  # every rank's batches
     runner.drop_states(final)
     return stats.gram.float()
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import distributed
 from .calibration import LayerwiseRunner
 from .calibration.data import (DEFAULT as DEFAULT_CALIBRATION, calibration_ids, calibration_tokenizer, check_vocabulary,
                                validate_calibration)
@@ -366,7 +367,9 @@ def heal(model, teacher=None, calibration=DEFAULT_CALIBRATION, steps: int | None
     bfloat16 autocast, 1.65x faster on a CPU with native bfloat16 products and healing as far (SmolLM2,
     `benchmarks/heal.py`); the held-out scoring that decides what is kept stays float32 —, ``every`` — the
     end-to-end loss on every `every`-th position only, the head run on those: for a large vocabulary, see
-    `distill`).
+    `distill`). Under ``torchrun`` / ``accelerate launch`` (`hf_tensorcomp.distributed`), end to end is
+    data-parallel: each step's batch split over the processes and the gradients summed (the same steps as one
+    process, within float rounding), the held-out windows shared out; layer-wise healing runs whole on each process.
     """
     o = validate_heal({**settings, **({"steps": steps} if steps is not None else {})})  # bad input: before any change
     calibration = validate_calibration(calibration)
@@ -406,11 +409,13 @@ def _heal(model, teacher, calibration, o: dict, *, tokenizer, progress, _config)
 def _train(model, teacher, calibration, o: dict, params: list, start: list, t0: float, *, tokenizer, progress,
            _config) -> dict:
     held, train_ids = heal_windows(model, calibration, tokenizer, o)
+    group = distributed.group()  # under torchrun / accelerate launch: end to end, data-parallel
+    distributed.agree(group, "heal", settings=distributed.fingerprint(o), windows=distributed.fingerprint(train_ids))
     dense = _teacher(model, teacher)
     model.eval()
     o["precision"] = resolve_precision(o["precision"], next(model.parameters()).device)
     cache: list = []  # the dense model's hidden states of the held-out windows, computed once
-    kl0, ppl0 = held_out_loss(model, dense, held, o["batch_size"], cache=cache)
+    kl0, ppl0 = held_out_loss(model, dense, held, o["batch_size"], cache=cache, group=group)
     report = {"mode": o["mode"], "steps": o["steps"], "train": o["train"], "params_trained": sum(p.numel() for p in params),
               "lr": o["lr"], "relative": o["relative"], "precision": o["precision"], "tokens": 0,
               **({"every": o["every"]} if o["every"] > 1 else {}), **({"lm_weight": o["lm_weight"]} if o["lm_weight"] else {})}
@@ -435,7 +440,7 @@ def _train(model, teacher, calibration, o: dict, params: list, start: list, t0: 
                                        precision=o["precision"], every=o["every"], progress=progress,
                                        desc="hf_tensorcomp: healing")
             run = distill(model, dense, train_ids, params, settings, held_out=held,
-                          start=(kl0, ppl0) if o["mode"] == "e2e" else None, held_out_cache=cache)
+                          start=(kl0, ppl0) if o["mode"] == "e2e" else None, held_out_cache=cache, group=group)
         finally:
             if checkpointing:
                 model.gradient_checkpointing_disable()
@@ -446,7 +451,7 @@ def _train(model, teacher, calibration, o: dict, params: list, start: list, t0: 
     if o["mode"] in ("e2e", "both"):  # the kept iterate is the best scored one: its scores, not a pass more
         _, kl1, ppl1 = next(s for s in run["held_out"] if s[0] == run["best_step"])
     else:
-        kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"], cache=cache)
+        kl1, ppl1 = held_out_loss(model, dense, held, o["batch_size"], cache=cache, group=group)
     objective = functools.partial(held_out_objective, lm_weight=o["lm_weight"])
     report["improved"] = improved(objective(max(kl0, 0.0), ppl0), objective(max(kl1, 0.0), ppl1))  # KL < 0: rounding
     if not report["improved"]:  # no harm: the model exactly as it came

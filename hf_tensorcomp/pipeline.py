@@ -17,12 +17,15 @@
 6. **heal** (``heal=``): a short distillation toward the dense model (`hf_tensorcomp.heal`), its
    report added to ``config.stats``.
 
-Methods only turn statistics into modules; surgery only replaces modules.
+Methods only turn statistics into modules; surgery only replaces modules. Under ``torchrun`` / ``accelerate
+launch`` the same stages run on every process, sharing the calibration batches and each layer's matrices
+(`hf_tensorcomp.distributed`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from dataclasses import replace
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import checks
+from . import checks, distributed
 from .calibration.data import calibration_tokenizer, describe
 from .config import TensorCompressionConfig, table_entry
 from .decompositions.quantize import stored_bytes
@@ -74,6 +77,8 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
     is called exactly once, in order.
     """
     work = plan(model, config) if work is None else work  # 1. plan
+    distributed.agree(distributed.group(), "compress", config=distributed.fingerprint([e.to_dict() for e in config.entries]),
+                      work=distributed.fingerprint(work))
     if config.embedding_bits:
         table_names(model)  # refused before any work when already quantized
     prefix, layer_list = find_decoder_layers(model)
@@ -131,7 +136,8 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
     units, or for its global allocation), with the dense model's sensitivities attached; else None."""
     entries = config.entries
     needs = [m.needs(e) for m, e in zip(methods, entries)]
-    ladder = [m.ladder_needs(e) if m.allocates(e) else frozenset() for m, e in zip(methods, entries)]
+    backward = stream is None and config.calibration is not None  # the dense model's output Fisher can be had
+    ladder = [m.ladder_needs(e, backward) if m.allocates(e) else frozenset() for m, e in zip(methods, entries)]
     # streaming: the table's GPTQ reads the final hidden states, which only the runner can give
     table_states = stream is not None and bool(config.embedding_bits) and config.calibration is not None
     if not any(needs) and not any(ladder) and not table_states:
@@ -141,7 +147,7 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
     prefix, layer_list = find_decoder_layers(model)
     ids = _calibration_ids(model, config)
     runner = LayerwiseRunner(model, prefix, layer_list, ids, config.calibration_batch_size,
-                             states_dir=getattr(stream, "states_dir", None))
+                             states_dir=getattr(stream, "states_dir", None), distribute=True)
     sensitive = [n for k, names in work for n in names if "fisher" in needs[k] | ladder[k]]
     graded = [n for k, names in work for n in names if "weight_grad" in needs[k]]
     if stream is not None and (sensitive or graded):
@@ -158,11 +164,11 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
         from .calibration.sensitivity import output_fisher
 
         runner.fisher, runner.fisher_fallback = output_fisher(model, layer_list, sensitive, runner.ids, prefix,
-                                                              extra=head)
+                                                              extra=head, group=runner.group)
     if graded:  # the loss gradient of the dense model's weights, before anything changes
         from .calibration.sensitivity import weight_gradients
 
-        runner.weight_grad = weight_gradients(model, layer_list, graded, runner.ids)
+        runner.weight_grad = weight_gradients(model, layer_list, graded, runner.ids, group=runner.group)
     return runner
 
 
@@ -181,7 +187,9 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
     needs = [m.needs(e) for m, e in zip(methods, config.entries)]
     module_stats = {}
 
-    def compress_unit(k, names, stats):
+    group = distributed.group()
+
+    def fit(k, names, stats):  # the unit's new modules, checked: {name: (module, stats)}
         entry = config.entries[k]
         unit_ctx = replace(ctx, stats=stats, allocation=allocation.get(k), layers=layer_list)
         mods = {n: layer_list.get_submodule(n) for n in names}
@@ -190,6 +198,10 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
         with fixed_threads():
             result = methods[k].compress(mods, entry, unit_ctx)
         checks.check_outputs(result, mods, prefix, entry, methods[k].remedy)
+        return result
+
+    def place(k, result):
+        entry = config.entries[k]
         for name, (new, st) in result.items():
             if entry.mode == "dense" and isinstance(new, FactorizedModule):
                 new = new.to_dense()  # None for containers of shared factors: nothing to add
@@ -201,6 +213,18 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
             set_module(layer_list, name, new)
             module_stats[f"{prefix}.{name}"] = {"method": entry.method, **st}
 
+    def compress_layer(li, units):  # [(entry index, names, stats or None)], the units that end at layer li
+        if group is None:
+            for k, names, stats in units:
+                place(k, fit(k, names, stats))
+            return
+        # distributed: the matrices of a per-matrix method (whole units of the others) dealt out over the ranks
+        tasks = [(k, part, stats if stats is None else {n: stats[n] for n in part if n in stats})
+                 for k, names, stats in units for part in ([[n] for n in names] if methods[k].per_matrix else [names])]
+        results = group.spread([functools.partial(fit, *t) for t in tasks], f"compressing decoder layer {li}")
+        for (k, _, _), result in zip(tasks, results):
+            place(k, distributed.on_device(result, layer_list[li]))
+
     by_last: dict[int, list] = {}
     for k, names in work:
         by_last.setdefault(max(_layer_of(n) for n in names), []).append((k, names))
@@ -211,8 +235,7 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
                 stream.upto(li)
             if healer is not None:
                 healer.before(li)
-            for k, names in by_last.get(li, []):
-                compress_unit(k, names, None)
+            compress_layer(li, [(k, names, None) for k, names in by_last.get(li, [])])
             if healer is not None:
                 healer.after(li)
         if stream is not None:
@@ -225,8 +248,8 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
         if healer is not None:
             healer.before(li)
         pending.update(stats)
-        for k, names in by_last.get(li, []):
-            compress_unit(k, names, {n: pending.pop(n) for n in names if n in pending} if needs[k] else None)
+        compress_layer(li, [(k, names, {n: pending.pop(n) for n in names if n in pending} if needs[k] else None)
+                            for k, names in by_last.get(li, [])])
         return li in by_last
 
     keep = stream is not None and bool(config.embedding_bits)  # the final states: the streamed table's GPTQ reads them
@@ -369,13 +392,12 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
             params, cost = _table_bytes(model, config)
             alloc.share = (alloc.budget * (total + params) - cost) / total
         ladders = {}
-        kinds = m.ladder_needs(entry)
+        kinds = m.ladder_needs(entry, stream is None and config.calibration is not None)
         if kinds:
             wanted = _by_layer({n: kinds for n in names})
 
             def on_layer(li, stats):
-                for n, st in stats.items():
-                    ladders[n] = m.ladder(n, layer_list.get_submodule(n), st, entry, alloc)
+                ladders.update(_ladders(m, entry, alloc, layer_list, stats, f"allocating decoder layer {li}"))
                 return False
 
             reading = None if stream is None else stream.reader()
@@ -387,7 +409,7 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
             if stream is not None:
                 raise ValueError("compress_checkpoint: a data-free global allocation reads every weight first; allowed: "
                                  "calibration= (its allocation pass streams the layers), or rank=")
-            ladders = {n: m.ladder(n, layer_list.get_submodule(n), None, entry, alloc) for n in names}
+            ladders = _ladders(m, entry, alloc, layer_list, dict.fromkeys(names), "allocating")
         table = None
         if is_table:
             table, ladders[table] = _table_ladder(model, config, m, entry, alloc, runner, cost)
@@ -412,6 +434,28 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
             alloc.report["embedding_bits"] = alloc.settings[table][rungs.pop(table)][0]
         alloc.rungs = rungs
         alloc.report["kept_dense"] = sorted(f"{n}" for n, j in rungs.items() if j == len(ladders[n][0]) - 1)
+    return out
+
+
+def _ladders(m, entry, alloc, layer_list, stats: dict, what: str) -> dict:
+    """{module name: its ladder} for the modules of `stats` ({name: its statistics or None}); distributed, dealt out
+    over the ranks (what a rung stands for, ``alloc.settings`` / ``alloc.uniform``, sent with each; with
+    ``measured`` every rank prices every module: the probes it keeps are functions)."""
+    group = distributed.group()
+
+    def ladder(n):
+        out = m.ladder(n, layer_list.get_submodule(n), stats[n], entry, alloc)
+        return out, alloc.settings.get(n), alloc.uniform.get(n)
+
+    if group is None or alloc.measured:
+        return {n: ladder(n)[0] for n in stats}
+    out = {}
+    for n, (lad, settings, uniform) in zip(stats, group.spread([functools.partial(ladder, n) for n in stats], what)):
+        out[n] = lad
+        if settings is not None:
+            alloc.settings[n] = settings
+        if uniform is not None:
+            alloc.uniform[n] = uniform
     return out
 
 
@@ -441,7 +485,9 @@ def _measured(alloc, ladders: dict, layer_list, runner, model, table) -> dict[in
             continue
         key, mod = (len(layer_list), model.get_output_embeddings()) if n == table else (_layer_of(n), layer_list.get_submodule(n))
         groups.setdefault(key, {})[n] = mod
-    kl = measured_kl(runner, groups, lambda n: alloc.probes.pop(n)())
+    group = distributed.group()  # distributed: measured on the first calibration batch, which rank 0 holds
+    kl = measured_kl(runner, groups, lambda n: alloc.probes.pop(n)()) if group is None or group.rank == 0 else None
+    kl = kl if group is None else group.gather(kl, "measuring the allocation's losses")[0]
     alloc.probes.clear()  # those of one-rung ladders
     for key, names in groups.items():
         base = sum(ladders[n][1][0] for n in names)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from safetensors.torch import save_file
 
+from . import distributed
 from .config import TensorCompressionConfig
 from .integration.io import atomic_dir, refuse_overlap
 from .plan import find_decoder_layers, plan
@@ -432,7 +433,7 @@ class LayerStream:
                 offset += size
             layout.append((name, quantizer, rows, cols, starts))
         shard, out = "model-table.safetensors", {}
-        with open(self.out / shard, "wb") as f:
+        with open(self.out / shard if self.out is not None else os.devnull, "wb") as f:  # (a rank that does not write)
             base = _write_header(f, header)
             for name, quantizer, rows, cols, starts in layout:
                 step = max(8, TABLE_BLOCK_BYTES // (8 * cols) // 8 * 8)  # whole bytes of codes per block
@@ -508,7 +509,9 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
     to a temporary folder in it, one file per calibration batch, read back one batch at a time, and
     removed at the end (memory then holds one batch of them; healing's states too).
     ``cfg.heal={"mode": "layerwise", ...}``: each layer healed while it is in memory (`StreamHealer`).
-    The model card (README.md) is written beside the checkpoint.
+    The model card (README.md) is written beside the checkpoint. Under ``torchrun`` / ``accelerate launch``
+    (`hf_tensorcomp.distributed`): the calibration batches and each layer's matrices are shared out over the
+    ranks, every rank reads every layer, and rank 0 alone writes `out`.
     """
     from .pipeline import compress_model
 
@@ -528,7 +531,9 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
         emb, emb_name, tied = _load_non_layer_tensors(model, reader, f"{prefix}.", dtype, dev)
         parent, _, attr = next(n for n, m in model.named_modules() if m is emb).rpartition(".")
         holder = model.get_submodule(parent) if parent else model
-        with atomic_dir(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as scratch:
+        group = distributed.group()  # distributed: every rank streams every layer, rank 0 alone writes
+        with (atomic_dir(out, overwrite=overwrite) if group is None or group.rank == 0 else contextlib.nullcontext()) \
+                as tmp, contextlib.ExitStack() as scratch:
             stream = LayerStream(model, reader, tmp, dtype, peak, dev)
             if states_dir is not None:
                 stream.states_dir = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="hf-tensorcomp-states-",
@@ -540,7 +545,10 @@ def compress_checkpoint(src, out, cfg: TensorCompressionConfig, max_memory: str 
             finally:
                 if getattr(holder, attr) is streamed:  # (with embedding_bits it is the quantized table by now)
                     setattr(holder, attr, emb)
-            _write_rest(model, cfg, src, tmp, reader, stream, f"{prefix}.", tied, dtype)
+            if tmp is not None:
+                _write_rest(model, cfg, src, tmp, reader, stream, f"{prefix}.", tied, dtype)
+        if group is not None:  # every rank returns once rank 0's folder is in place (or stops if it failed)
+            group.barrier("writing the checkpoint")
     bound = _memory_bound(reader, prefix, len(layers), model, cfg, stream.largest_written, on_disk=states_dir is not None)
     report = {"src": str(src), "out": str(out), "layers": len(layers), "seconds": round(time.perf_counter() - t0, 1),
               "seconds_per_layer": stream.seconds, "peak_above_start_mb": round(peak.above_start / 2**20, 1),

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import distributed
 from .layout import first_output
 
 
@@ -240,22 +242,29 @@ def next_tokens(batch: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def held_out_loss(student, teacher, ids: torch.Tensor, batch_size: int = 4,
-                  split: tuple[LogitLoss, LogitLoss] | None = None, cache: list | None = None) -> tuple[float, float]:
+                  split: tuple[LogitLoss, LogitLoss] | None = None, cache: list | None = None,
+                  group=None) -> tuple[float, float]:
     """(mean KL to the teacher per token, the student's perplexity) on the windows of `ids`; `split`: the two
     models' `LogitLoss` when the caller has them (`distill` scores many times: the split is checked once);
     `cache`: a list the teacher's final hidden states of `ids` are kept in (filled on the first call, read on
     the next with the same `ids` and `batch_size`: the teacher does not change, so each scoring after the first runs the teacher's head alone —
-    where the teacher is split; a teacher read whole, whose cache would be logits, is run again)."""
+    where the teacher is split; a teacher read whole, whose cache would be logits, is run again); `group`
+    (`hf_tensorcomp.distributed`): this rank scores batches ``rank, rank + world, ...``, the sums added over the ranks."""
     s_loss, t_loss = split or (LogitLoss(student, ids), LogitLoss(teacher, ids))
     kl = nll = 0.0
     every = torch.arange(ids.shape[1])
     keep = cache is not None and t_loss.split is not None
-    for i, batch in enumerate(ids.split(batch_size)):
+    batches = ids.split(batch_size)
+    if group is not None:
+        batches = group.deal(batches)
+    for i, batch in enumerate(batches):
         if keep and len(cache) <= i:
             cache.append(t_loss.hidden(batch).flatten(0, 1))
         hs, ht = s_loss.hidden(batch).flatten(0, 1), cache[i] if keep else t_loss.hidden(batch).flatten(0, 1)
         k, n = chunked_losses(s_loss, t_loss, hs, ht, next_tokens(batch, every), elements=4 * CHUNK_ELEMENTS)
         kl, nll = kl + k, nll + n
+    if group is not None:
+        kl, nll = distributed.sum_floats(group, [kl, nll], "healing (the held-out loss)")
     tokens = ids.shape[0] * ids.shape[1]
     return kl / tokens, math.exp(nll / (tokens - ids.shape[0]))
 
@@ -305,15 +314,18 @@ class RelativeSteps:
         torch._foreach_copy_(self.params, step)
 
 
-def adam_step(opt: torch.optim.Optimizer, loss, relative: RelativeSteps | None = None) -> float:
+def adam_step(opt: torch.optim.Optimizer, loss, relative: RelativeSteps | None = None, sync=None) -> float:
     """One optimizer step on `loss` (through `relative`'s δ when given): a scalar tensor, or a function that runs
-    the backward itself and returns the loss. Returns the loss."""
+    the backward itself and returns the loss. `sync(loss)`: called after the backward (data-parallel: sums the
+    gradients over the ranks), returns the loss to report. Returns the loss."""
     opt.zero_grad(set_to_none=True)
     if isinstance(loss, torch.Tensor):
         loss.backward()
         loss = loss.item()
     else:
         loss = loss()
+    if sync is not None:
+        loss = sync(loss)
     if relative is not None:
         relative.grads()
     opt.step()
@@ -399,16 +411,17 @@ class _HeldOutScores:
     `held_out_objective`; `restore` puts the best one back into the parameters."""
 
     def __init__(self, student, teacher, held_out: torch.Tensor | None, params: list, settings: DistillSettings,
-                 losses: tuple[LogitLoss, LogitLoss], cache: list):
+                 losses: tuple[LogitLoss, LogitLoss], cache: list, group=None):
         self.student, self.teacher, self.held_out, self.params, self.settings = student, teacher, held_out, params, settings
-        self.losses, self.cache = losses, cache
+        self.losses, self.cache, self.group = losses, cache, group
         self.scores: list[tuple[int, float, float]] = []
         self.best = self.best_step = self.best_value = None
 
     def score(self, step: int, known: tuple[float, float] | None = None) -> None:
         s = self.settings
         self.student.eval()
-        kl, ppl = known or held_out_loss(self.student, self.teacher, self.held_out, s.batch_size, self.losses, self.cache)
+        kl, ppl = known or held_out_loss(self.student, self.teacher, self.held_out, s.batch_size, self.losses, self.cache,
+                                         self.group)
         self.student.train(s.train_mode)
         self.scores.append((step, kl, ppl))
         value = held_out_objective(kl, ppl, s.lm_weight)
@@ -438,19 +451,23 @@ def _batches(ids: torch.Tensor, settings: DistillSettings, device: torch.device)
         yield batch.to(device)
 
 
-def _step_loss(s_loss: LogitLoss, t_loss: LogitLoss, batch: torch.Tensor, settings: DistillSettings):
+def _step_loss(s_loss: LogitLoss, t_loss: LogitLoss, batch: torch.Tensor, settings: DistillSettings,
+               rows: slice | None = None):
     """One `distill` step's loss on `batch`, as a function for `adam_step`: both models' forwards here (the
     teacher's without gradients), the loss chunk by chunk into the student's final hidden states and the
-    body's backward once when called; it returns the loss."""
+    body's backward once when called; it returns the loss. `rows`: this rank's windows of the (global) batch,
+    the loss still scaled by the whole batch's counts (data-parallel: the ranks' gradients add up to the batch's)."""
     s, device = settings, batch.device
     scored = torch.arange(0, batch.shape[1], s.every, device=device)
     keep = None if s.every == 1 else scored
+    targets = next_tokens(batch, scored)
+    scale = (1 / (batch.shape[0] * len(scored)), s.lm_weight / max(1, int((targets != -100).sum())))
+    if rows is not None:
+        batch, targets = batch[rows], targets.view(batch.shape[0], len(scored))[rows].flatten()
     with precision_autocast(device, s.precision):
         with torch.no_grad():
             ht = t_loss.hidden(batch, keep).flatten(0, 1)
         hs = s_loss.hidden(batch, keep)
-    targets = next_tokens(batch, scored)
-    scale = (1 / ht.shape[0], s.lm_weight / max(1, int((targets != -100).sum())))
 
     def backward() -> float:
         leaf = hs.detach().flatten(0, 1).requires_grad_()
@@ -462,10 +479,16 @@ def _step_loss(s_loss: LogitLoss, t_loss: LogitLoss, batch: torch.Tensor, settin
     return backward
 
 
+def _sync(group, params: list, loss: float) -> float:
+    """Data-parallel: the gradients of `params` and the step's loss summed over the ranks."""
+    distributed.all_reduce_grads(group, params)
+    return distributed.sum_floats(group, [loss], "healing (the step's loss)")[0]
+
+
 @torch.enable_grad()
 def distill(student, teacher, ids: torch.Tensor, params: list, settings: DistillSettings, *,
             held_out: torch.Tensor | None = None, start: tuple[float, float] | None = None,
-            held_out_cache: list | None = None) -> dict:
+            held_out_cache: list | None = None, group=None) -> dict:
     """Train `params` of `student` toward `teacher`'s next-token distributions on the windows of `ids`, as
     `settings` (`DistillSettings`) say.
 
@@ -475,13 +498,19 @@ def distill(student, teacher, ids: torch.Tensor, params: list, settings: Distill
     `held_out_objective`) is what the student keeps (the start, bit for bit, if no step improved on it);
     ``start``: the held-out (kl, ppl) of the student as given, when the caller has scored it already (one
     pass over the held-out windows fewer); ``held_out_cache``: the teacher's hidden states of the held-out
-    windows, kept between scorings (`held_out_loss`'s ``cache``).
+    windows, kept between scorings (`held_out_loss`'s ``cache``); ``group`` (`hf_tensorcomp.distributed`, the same
+    call on every rank): data-parallel — each step's batch split over the ranks, the gradients and losses summed,
+    the held-out windows shared out (every rank then takes the same steps).
 
     Returns {"losses": per step, "held_out": [(step, kl, ppl), ...] or [], "best_step": int or None}.
     """
     s = settings
     if not params:
         raise ValueError("distill: nothing to train (no parameters given)")
+    if group is not None and min(s.batch_size, ids.shape[0]) < group.world:
+        raise ValueError(f"heal: batch_size={s.batch_size} windows a step ({ids.shape[0]} to train on) for {group.world} "
+                         f"processes; allowed: a batch of at least one window per process (batch_size >= {group.world})")
+    sync = None if group is None else functools.partial(_sync, group, params)
     with only_training(student, params):
         steps_of = RelativeSteps(params) if s.relative else None
         opt = torch.optim.Adam(steps_of.delta if s.relative else params, lr=s.lr)
@@ -492,14 +521,15 @@ def distill(student, teacher, ids: torch.Tensor, params: list, settings: Distill
         device = next(student.parameters()).device
         s_loss, t_loss = LogitLoss(student, ids), LogitLoss(teacher, ids)
         held = _HeldOutScores(student, teacher, held_out, params, s, (s_loss, t_loss),
-                              [] if held_out_cache is None else held_out_cache)
+                              [] if held_out_cache is None else held_out_cache, group)
         student.train(s.train_mode)
         try:
             if held_out is not None:
                 held.score(0, start)
             bar = tqdm(_batches(ids, s, device), total=s.steps, desc=s.desc, disable=not s.progress, unit="step")
             for step, batch in enumerate(bar):
-                losses.append(adam_step(opt, _step_loss(s_loss, t_loss, batch, s), steps_of))
+                rows = None if group is None else distributed.share(group, batch.shape[0])
+                losses.append(adam_step(opt, _step_loss(s_loss, t_loss, batch, s, rows), steps_of, sync))
                 sched.step()
                 if held_out is not None and ((step + 1) % s.eval_every == 0 or step + 1 == s.steps):
                     held.score(step + 1)

@@ -84,6 +84,12 @@ GUARDED = [
     ("heal with calibration ids >= the vocabulary", "compression's one-line message, before any work (was: IndexError)", "test_heal.py::test_calibration_ids_outside_the_vocabulary_get_compressions_message"),
     ("heal with a teacher of another vocabulary (folder or model); layer-wise, of other decoder layers", "refused from its config before any work (was: a shape error in the KL after loading and scoring)", "test_heal.py::test_a_teacher_of_another_vocabulary_or_shape_is_refused_before_any_work"),
     ("heal(teacher='/no/such/dir')", "'heal: teacher: /no/such/dir: no such folder' (was: a repo id syntax error)", "test_heal.py::test_a_teacher_folder_that_does_not_exist_is_named"),
+    # several processes (torchrun / accelerate launch)
+    ("a world size larger than the calibration batches, or than a healing step's windows", "one line on every rank before any work, with what to change (a world size that does not divide the batches is fine)", "test_distributed.py::test_too_few_batches_a_rank_that_dies_and_nothing_half_written"),
+    ("a rank that dies mid-way through a streamed compression", "the others stop with DistributedError naming the step; no output folder, no temporary one", "test_distributed.py::test_too_few_batches_a_rank_that_dies_and_nothing_half_written"),
+    ("ranks running different hf_tensorcomp versions (compress_checkpoint, heal)", "one line on every rank naming each rank's version, before any work; nothing written", "test_distributed.py::test_mismatched_library_versions_refused_on_every_rank_before_any_work"),
+    ("latent_kv settings out of range (kv_bytes, bits, group, window, rank, head_groups; rank with kv_bytes)", "the field named, when the config is built", "test_latent_kv.py::test_bad_settings_name_the_field"),
+    ("latent_kv rank above a group's rows, head_groups not dividing the KV heads, k_proj without v_proj, kv_bytes below rank 1", "refused before weights load, naming the field and the bound", "test_latent_kv.py::test_bad_settings_for_the_model_refused_before_weights_load"),
 ]
 
 

@@ -40,7 +40,7 @@ def test_compress_recipe_on_bundled_model(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_sweep_recipe_writes_table(tmp_path, capsys):
+def test_sweep_recipe_writes_table(tmp_path, capsys, real_bigbench):
     recipe = tmp_path / "s.json"
     recipe.write_text(json.dumps({"method": "trawl", "option": {"decomposition": "tucker"}, "groups": ["fc"],
                                   "layers": [-1], "ranks": [1.0, 8], "max_eval_tokens": 256, "context_length": 128,

@@ -37,6 +37,10 @@ NO_RUN = {
         "benchmark runs on the real models",
     ("docs/cli.md", "hf-tensorcomp compress --recipe recipes/qlr_smollm2.json --out DIR"):
         "real models, BIG-bench, a GGUF file, the Hub",
+    ("docs/distributed.md", "torchrun --standalone --nproc-per-node 2 -m hf_tensorcomp.cli compress smollm2 --method qlr "
+                            "--rank 8 --stream --out out/qlr"): "starts two processes through torchrun",
+    ("docs/distributed.md", "accelerate launch --num_processes 2 -m hf_tensorcomp.cli compress smollm2 --method qlr "
+                            "--rank 8 --stream --out out/qlr"): "starts two processes through accelerate launch",
     ("docs/hub.md", 'hf_tensorcomp.push_to_hub(again, "user/smollm2-laser", tokenizer=tok, results={"perplexity": 30.1})'):
         "uploads to the Hugging Face Hub",
     ("docs/linearize.md", "hf-tensorcomp linearize --recipe recipes/linearize_smollm2.json --out out/smollm2-gdn"):

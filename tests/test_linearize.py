@@ -257,4 +257,5 @@ def test_model_card_names_the_layers_a_method_changed():
     stats = {"modules": {f"model.layers.{i}.self_attn": {"method": "linearize"} for i in (2, 5, 8)}}
     assert _layers(SimpleNamespace(layers=None, method="linearize"), stats, 9) == "2, 5, 8"
     assert _layers(SimpleNamespace(layers=None, method="linearize"), stats, 3) == "all"
-    assert _layers(SimpleNamespace(layers=[0], method="linearize"), stats, 9) == "[0]"
+    assert _layers(SimpleNamespace(layers=[0], method="linearize"), stats, 9) == "0"
+    assert _layers(SimpleNamespace(layers=[-1, 2, -7], method="linearize"), stats, 9) == "2, 8"  # counted from the end, once each

@@ -378,7 +378,7 @@ def test_load_bigbench_caches_task_files(fake_bigbench, monkeypatch):
 
 
 @pytest.mark.slow
-def test_real_bigbench_tasks_load():
+def test_real_bigbench_tasks_load(real_bigbench):
     ex = assets.load_bigbench_task("goal_step_wikihow")
     assert len(ex) == 1703 + 2250 + 3100
     counts = {s: sum(e["subtask"] == s for e in ex) for s in ("goal_inference", "step_inference", "step_ordering")}
@@ -394,7 +394,7 @@ def test_real_bigbench_tasks_load():
 
 
 @pytest.mark.slow
-def test_smollm2_goal_step_wikihow_above_chance(smollm2):
+def test_smollm2_goal_step_wikihow_above_chance(smollm2, real_bigbench):
     model, tok = smollm2
     examples = assets.load_bigbench_task("goal_step_wikihow")
     r = multiple_choice_accuracy(model, tok, examples, max_examples=200, batch_size=16, progress=False)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..layout import first_output
 from .stats import PASS_KINDS, InputCapture, ModuleStats, StatsHooks
 
@@ -73,11 +74,13 @@ def drop_states(states, *keep) -> None:
 class LayerwiseRunner:
     """Holds the captured layer inputs and runs the calibration batches through one layer at a time.
 
-    ``states_dir``: a folder for the hidden states (`DiskStates`) instead of memory."""
+    ``states_dir``: a folder for the hidden states (`DiskStates`) instead of memory. ``distribute``: in a distributed
+    run (`hf_tensorcomp.distributed`), this rank holds its share of the batches and each layer's statistics are summed
+    over the ranks (compression); else every rank holds every batch (healing's runners)."""
 
     def __init__(self, model: nn.Module, prefix: str, layers: nn.ModuleList, ids: torch.Tensor, batch_size: int = 8,
-                 states_dir: str | Path | None = None):
-        self.model, self.prefix, self.layers, self.ids = model, prefix, layers, ids
+                 states_dir: str | Path | None = None, distribute: bool = False):
+        self.model, self.prefix, self.layers, self.ids, self.batch_size = model, prefix, layers, ids, batch_size
         self.states_dir = None if states_dir is None else Path(states_dir)
         self._written = 0  # DiskStates folders made so far (each gets a fresh name)
         #: {module name: per-output-channel Fisher} from `sensitivity.output_fisher`, attached to every
@@ -89,9 +92,17 @@ class LayerwiseRunner:
         base = model.get_submodule(prefix.rpartition(".")[0])  # the decoder stack: embeddings, layers, norm
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))  # streamed: some on meta
         self.kwargs: list[list[dict]] = []  # [batch][layer] -> kwargs of that layer's call
+        batches = ids.split(batch_size)
+        #: distributed (`hf_tensorcomp.distributed`): this rank runs its share of the batches, the statistics are summed
+        self.group, self.n_batches = distributed.group() if distribute else None, len(batches)
+        if self.group is not None:
+            distributed.agree(self.group, "calibration", calibration_ids=distributed.fingerprint(ids))
+            batches = [batches[i] for i in self.group.mine(
+                len(batches), "calibration batches", f"{ids.shape[0]} samples in batches of {batch_size}: more "
+                "calibration_samples or a smaller calibration_batch_size")]
 
         def captured():  # each batch's layer-0 inputs, as they are captured (kept, or written, one by one)
-            for batch in ids.split(batch_size):
+            for batch in batches:
                 calls: list[dict] = []
                 first: list[torch.Tensor] = []
 
@@ -134,6 +145,8 @@ class LayerwiseRunner:
         return sum(s[0] * s[1] for s in self._shapes())
 
     def _shapes(self) -> list[tuple]:
+        if self.group is not None:  # every rank's batches
+            return [tuple(b.shape) for b in self.ids.split(self.batch_size)]
         return self.hidden.shapes if isinstance(self.hidden, DiskStates) else [tuple(h.shape) for h in self.hidden]
 
     def _keep(self, tensors: Iterable[torch.Tensor]):
@@ -160,7 +173,10 @@ class LayerwiseRunner:
 
     def _check_finite(self, li: int, out: list[torch.Tensor], when: str) -> None:
         """Stop at the first decoder layer whose outputs are not finite (its inputs were), naming it."""
-        if not all(bool(torch.isfinite(o).all()) for o in out):
+        finite = all(bool(torch.isfinite(o).all()) for o in out)
+        if self.group is not None:  # every rank stops alike
+            finite = all(self.group.gather(finite, f"decoder layer {li}"))
+        if not finite:
             raise ValueError(f"hf_tensorcomp calibration: the outputs of decoder layer {li} ({self.prefix}.{li}){when} are "
                              "not finite (Inf/NaN) on the calibration batch, its inputs were; check that layer's weights "
                              "and the model's dtype (float16 overflows where bfloat16 / float32 do not)")
@@ -203,6 +219,7 @@ class LayerwiseRunner:
                 out = self._forward(li, hidden)
             finally:
                 stats = hooks.close()
+            distributed.reduce_stats(self.group, stats, self.n_batches, f"decoder layer {li}")
             self._check_finite(li, out, "")
             device = next((p.device for p in self.layers[li].parameters()), None)  # the layer ran: not on meta
             for n, st in stats.items():

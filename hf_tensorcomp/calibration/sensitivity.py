@@ -19,7 +19,7 @@ from ..layout import first_output
 
 def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str], ids: torch.Tensor,
                   prefix: str = "layers", batch_size: int = 2,
-                  extra: dict[str, nn.Module] | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
+                  extra: dict[str, nn.Module] | None = None, group=None) -> tuple[dict[str, torch.Tensor], list[str]]:
     """``({name: f_m}, fallback)``: float64 vectors over output channels for modules named relative to
     the decoder-layer list (``"3.mlp.down_proj"``), and the full names of the modules that fell back.
     `extra`: more modules, outside the decoder layers (the output head), under the names given.
@@ -28,6 +28,8 @@ def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str],
     the loss, e.g. behind a zeroed projection) would weigh every error by zero and divide by zero in
     the allocation; it gets the mean Fisher of the other modules on every channel instead (its error
     counts like an average module's), with a warning. If no module gets a gradient: a ValueError.
+    `group` (`hf_tensorcomp.distributed`): this rank runs batches ``rank, rank + world, ...``, the squared
+    gradients and counts summed over the ranks.
     """
     modules = {n: layer_list.get_submodule(n) for n in names} | dict(extra or {})
     names = list(modules)
@@ -50,10 +52,16 @@ def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str],
     emb = model.get_input_embeddings()
     handles.append(emb.register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
     try:
-        _loss_backward(model, ids, batch_size)
+        _loss_backward(model, _mine(ids, batch_size, group), batch_size)
     finally:
         for h in handles:
             h.remove()
+    if group is not None:
+        for n in names:
+            got = acc[n] if isinstance(acc[n], torch.Tensor) else torch.zeros(modules[n].weight.shape[0], dtype=torch.float64)
+            acc[n] = group.sum_(got, "the Fisher pass")
+        counts = group.sum_(torch.tensor([count[n] for n in names], dtype=torch.int64), "the Fisher pass")
+        count = dict(zip(names, counts.tolist()))
     fisher = {n: acc[n] / count[n] for n in names if count[n] and bool((acc[n] > 0).any())}
     zero = [n for n in names if n not in fisher]
     if not zero:
@@ -71,22 +79,37 @@ def output_fisher(model: nn.Module, layer_list: nn.ModuleList, names: list[str],
 
 
 def weight_gradients(model: nn.Module, layer_list: nn.ModuleList, names: list[str], ids: torch.Tensor,
-                     batch_size: int = 2) -> dict[str, dict[str, torch.Tensor]]:
+                     batch_size: int = 2, group=None) -> dict[str, dict[str, torch.Tensor]]:
     """``{name: {parameter name: dL/dW}}`` for the direct and nested parameters of modules named
     relative to the decoder-layer list: the language-modelling loss (mean over the tokens of each
     sequence) summed over the calibration sequences, one backward pass of the dense model. Only
-    these parameters get gradients; every ``requires_grad`` flag is restored afterwards."""
+    these parameters get gradients; every ``requires_grad`` flag is restored afterwards. `group`
+    (`hf_tensorcomp.distributed`): this rank runs batches ``rank, rank + world, ...``, the gradients summed."""
     params = {n: dict(layer_list.get_submodule(n).named_parameters()) for n in names}
     wanted = [p for ps in params.values() for p in ps.values()]
     for p in wanted:
         p.grad = None
     try:
-        _loss_backward(model, ids, batch_size, wanted)
-        return {n: {k: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for k, p in ps.items()}
-                for n, ps in params.items()}
+        _loss_backward(model, _mine(ids, batch_size, group), batch_size, wanted)
+        out = {n: {k: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for k, p in ps.items()}
+               for n, ps in params.items()}
     finally:
         for p in wanted:
             p.grad = None
+    if group is not None:
+        for grads in out.values():
+            for g in grads.values():
+                group.sum_(g, "the weight-gradient pass")
+    return out
+
+
+def _mine(ids: torch.Tensor, batch_size: int, group) -> torch.Tensor:
+    """The sequences of this rank's batches (``rank, rank + world, ...``; all of them without a `group`). The one short
+    batch, if any, is the last: joined, they split into the same batches again."""
+    if group is None:
+        return ids
+    mine = group.deal(ids.split(batch_size))
+    return torch.cat(mine) if mine else ids[:0]
 
 
 def _loss_backward(model: nn.Module, ids: torch.Tensor, batch_size: int, trainable=()) -> None:

@@ -120,3 +120,21 @@ def _weighted(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None) -
 def whitened_spectrum(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None = None) -> torch.Tensor:
     """Singular values (float64) of D W S (see `whitened_svd`; None on a side: no weighting there)."""
     return torch.linalg.svdvals(_weighted(w, s, d))
+
+
+def output_basis(w: torch.Tensor, s: torch.Tensor | None, a: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output directions of W (out x in) on its inputs, best first, and their singular values (float64).
+
+    U, σ of the SVD of A W S (S: the whitening factor, `whitening_factor`; A: a metric on the outputs, a matrix or
+    a 1-D vector of per-output weights; None: no whitening / weighting on that side). For every r, the latent
+    z = U_rᵀ A W x and its way back A⁻¹ U_r z minimise ‖A (W - W') Xᵀ‖ among rank-r maps that pass through an
+    r-dim latent (Σ σ[r:]² is the loss): the down- and up-projections of Palu / Eigen Attention, with A = I the
+    plain output error.
+    """
+    (s,) = _beside(w, s)
+    wa = w.detach().double()
+    if a is not None:
+        a = a.to(w.device).double()
+        wa = a[:, None] * wa if a.ndim == 1 else a @ wa
+    u, sv, _ = torch.linalg.svd(_weighted(wa, s, None), full_matrices=False)
+    return u, sv

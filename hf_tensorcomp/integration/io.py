@@ -175,8 +175,13 @@ def unmerged_lora_layers(model) -> list[str]:
 
 
 def save_pretrained(self, save_directory, *args, **kwargs):
-    """``save_pretrained`` written to a temporary sibling folder and swapped into place (see `atomic_dir`)."""
+    """``save_pretrained`` written to a temporary sibling folder and swapped into place (see `atomic_dir`); in a
+    distributed run (`hf_tensorcomp.distributed`), by rank 0 alone (the other ranks hold the same model)."""
+    from ..distributed import is_main
+
     save = type(self).save_pretrained
+    if not is_main():
+        return None
     if "peft" in sys.modules:  # an injected, unmerged adapter would be saved as base weights no loader expects
         layers = unmerged_lora_layers(self)
         if layers:

@@ -151,6 +151,10 @@ class Method:
     #: `FactorizedModule.layer_type`s this method puts in place of a target (not counting shared-factor containers)
     layer_types: tuple[str, ...] = ()
 
+    #: True when `compress` treats each module of a unit on its own (compressing them one by one gives the same
+    #: modules): a distributed run then deals a layer's matrices out over the ranks, not whole units
+    per_matrix: bool = False
+
     #: True when the method leaves ordinary transformers modules (a smaller config, no factored
     #: module): a model compressed only by such methods is saved as a plain transformers checkpoint
     structural: bool = False
@@ -213,8 +217,10 @@ class Method:
         (appended to the error's "allowed:"; empty when nothing)."""
         return ""
 
-    def ladder_needs(self, entry) -> frozenset:
-        """Statistics the `target` allocation reads (gathered in a first pass over the dense model)."""
+    def ladder_needs(self, entry, backward: bool = True) -> frozenset:
+        """Statistics the `target` allocation reads (gathered in a first pass over the dense model); `backward`:
+        whether a backward pass of the whole dense model on calibration text is possible (not while streaming,
+        nor without calibration text)."""
         return frozenset()
 
     def ladder(self, name: str, module: nn.Module, stats, entry, alloc: Allocation) -> tuple[list[float], list[float]]:

@@ -76,6 +76,7 @@ def _uniform_rank(lin, target: float, pivoted: bool) -> int:
 @register_method
 class Laser(Method):
     name = "laser"
+    per_matrix = True
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 0.5
     supports_target = True
@@ -114,7 +115,7 @@ class Laser(Method):
     def allocates(self, entry):
         return entry.target is not None and entry.options["allocation"] != "uniform"
 
-    def ladder_needs(self, entry):
+    def ladder_needs(self, entry, backward=True):
         sensitive = entry.options["allocation"] == "global" and entry.options["whiten"] == "cholesky"
         return (self.needs(entry) - {"cross"}) | ({"fisher"} if sensitive else set())
 

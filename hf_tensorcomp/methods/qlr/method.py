@@ -73,6 +73,7 @@ def _error(w: torch.Tensor, approx: torch.Tensor, s: torch.Tensor | None) -> flo
 @register_method
 class QuantizedLowRank(Method):
     name = "qlr"
+    per_matrix = True
     byte_budget = True
     default_targets = ("self_attn.*_proj", "mlp.*_proj")
     default_rank = 32
@@ -165,7 +166,7 @@ class QuantizedLowRank(Method):
     def allocates(self, entry):
         return entry.options["target_bytes"] is not None
 
-    def ladder_needs(self, entry):
+    def ladder_needs(self, entry, backward=True):
         o = entry.options
         gptq = o["estimate"] == "quantizer" and o["quantizer"] == "gptq"
         return frozenset(({"gram"} if o["whiten"] or gptq else set())

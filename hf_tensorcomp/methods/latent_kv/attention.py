@@ -1,0 +1,182 @@
+"""The attention that reads `LatentKVCache`, registered with transformers as ``attn_implementation="latent_kv"``.
+
+transformers' attention modules call ``k_proj`` / ``v_proj`` (here `LatentKVLinear`, which leaves its latent on
+the module), normalise and rotate the keys, hand them to ``past_key_values.update`` and call the registered
+attention function with what it returns. With a `LatentKVCache` that is the cache layer: this function stores
+the new tokens' latents there and then
+
+- on the first forward (the prompt; nothing cached before) runs transformers' SDPA attention on the dense
+  keys and values of the prompt, which it was given anyway (prefill uses the normal path);
+- afterwards (decoding) reads the latents: the keys are rebuilt block by block (``BLOCK`` tokens at a time:
+  up-projection, the module's ``k_norm`` if it has one, RoPE at each token's stored position) and scored
+  against the queries; RoPE makes the score of a query and a key depend on both positions, so it cannot be
+  folded into the latent (which is taken before RoPE, so that one basis serves every position); the values are
+  never rebuilt: the attention weights multiply the value latents (R_v numbers a token), and each head's
+  up-projection is applied once to that weighted sum (plus the bias: the weights sum to one).
+
+Grouped-query attention: the queries of one KV head are scored together against that head's keys. With any
+other cache (a plain forward makes a DynamicCache) the function is transformers' SDPA attention.
+
+The mask interface ``latent_kv`` is SDPA's (a boolean mask, or None where SDPA may skip it); without it
+transformers would give this function no mask at all.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .cache import LatentKVLayer, latent_layers
+from .layer import LatentKVLinear
+
+NAME = "latent_kv"
+BLOCK = 1024  # tokens whose keys are rebuilt at once while decoding
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+def _rope(module: nn.Module, like: torch.Tensor, positions: torch.Tensor):
+    """cos, sin (b, t, head_dim) at `positions` (b, t), from the model's rotary embedding (`enable` hands it over)."""
+    rotary, layer_type = module.__dict__["_latent_rope"]
+    if layer_type is None:
+        return rotary(like, positions)
+    return rotary(like, positions, layer_type)
+
+
+def latent_kv_attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask, dropout: float = 0.0,
+                        scaling: float | None = None, **kwargs):
+    k_proj, v_proj = module.k_proj, module.v_proj
+    zk = k_proj.take_latent() if isinstance(k_proj, LatentKVLinear) else None
+    zv = v_proj.take_latent() if isinstance(v_proj, LatentKVLinear) else None
+    if not isinstance(key, LatentKVLayer):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer = key
+    new_k, new_v = layer.pending
+    if zk is None or zv is None:
+        raise ValueError("latent_kv attention: the layer's k_proj / v_proj left no latent (are they LatentKVLinear, and "
+                         "called once on this step's input?); allowed: a model compressed with method='latent_kv'")
+    b, q = query.shape[0], query.shape[2]
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(layer.seen, layer.seen + q, device=query.device)[None]
+    positions = positions.expand(b, -1)
+    past = layer.held()
+    layer.add(zk, zv, positions)
+    if past == 0:
+        out = sdpa_attention_forward(module, query, new_k, new_v, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    else:
+        out = (_attend(module, layer, query, attention_mask, scaling), None)
+    layer.forget()
+    return out
+
+
+def _attend(module, layer: LatentKVLayer, query: torch.Tensor, mask, scaling) -> torch.Tensor:
+    """Attention of `query` (b, H, q, d) over every token `layer` holds; returns (b, q, H, d)."""
+    k_proj, v_proj = module.k_proj, module.v_proj
+    b, heads, q, d = query.shape
+    kv_heads = k_proj.out_features // d
+    rep = heads // kv_heads
+    total = layer.held()
+    pos = layer.token_positions()
+    dtype = query.dtype
+    qg = query.reshape(b, kv_heads, rep * q, d)
+    scores = []
+    for start in range(0, total, BLOCK):
+        end = min(start + BLOCK, total)
+        k = k_proj.expand(layer.k.read(start, end, dtype)).view(b, end - start, kv_heads, d)
+        if hasattr(module, "k_norm"):
+            k = module.k_norm(k)
+        cos, sin = _rope(module, k, pos[:, start:end])
+        k = k * cos[:, :, None] + _rotate_half(k) * sin[:, :, None]
+        scores.append(torch.matmul(qg, k.permute(0, 2, 3, 1)))
+    s = torch.cat(scores, -1).view(b, heads, q, total) * (scaling if scaling is not None else d ** -0.5)
+    if mask is None:
+        if q > 1:  # SDPA left the causal mask out
+            causal = torch.ones(q, total, dtype=torch.bool, device=s.device).tril(total - q)
+            s = s.masked_fill(~causal, float("-inf"))
+    elif mask.dtype == torch.bool:
+        s = s.masked_fill(~mask[..., -total:], float("-inf"))
+    else:
+        s = s + mask[..., -total:]
+    w = torch.softmax(s.float(), -1).nan_to_num(0.0).to(dtype).view(b, kv_heads, rep * q, total)
+    y = None
+    for start in range(0, total, BLOCK):
+        end = min(start + BLOCK, total)
+        part = torch.matmul(w[..., start:end], layer.v.read(start, end, dtype)[:, None])  # (b, kvh, rep*q, R_v)
+        y = part if y is None else y + part
+    up = v_proj.weight  # (out_g, R_v)
+    per_group = v_proj.group_out // d
+    outs = []
+    for h in range(kv_heads):
+        cols = v_proj.group_slices()[h // per_group]
+        rows = slice((h % per_group) * d, (h % per_group + 1) * d)
+        outs.append(torch.matmul(y[:, h, :, cols], up[rows, cols].T))
+    out = torch.stack(outs, 1)  # (b, kvh, rep*q, d)
+    if v_proj.bias is not None:
+        out = out + v_proj.bias.view(kv_heads, 1, d)
+    return out.view(b, heads, q, d).transpose(1, 2).contiguous()
+
+
+AttentionInterface.register(NAME, latent_kv_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# switching a model to the latent cache and attention
+# --------------------------------------------------------------------------------------------
+
+class _MakeLatentCache:
+    """Put in the model's place of ``_prepare_cache_for_generation``: transformers' choice, then a `LatentKVCache`
+    instead of the DynamicCache it makes by default (a cache the caller passed, or another kind asked for through
+    ``cache_implementation``, is left alone). An object (not a closure), so that a model holding it copies and
+    pickles."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, generation_config, model_kwargs, *args, **kwargs):
+        from transformers import DynamicCache
+
+        from .cache import LatentKVCache
+
+        model = self.model
+        result = type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
+        made = model_kwargs.get("past_key_values")
+        if (type(made) is DynamicCache and not getattr(made, "_is_user_defined", False)
+                and generation_config.cache_implementation in (None, "dynamic")
+                and model.config._attn_implementation == NAME):
+            model_kwargs["past_key_values"] = LatentKVCache(model)
+        return result
+
+
+def enable(model: nn.Module) -> bool:
+    """Switch a model holding `LatentKVLinear` projections to the latent attention and cache (after compression
+    and after a reload; a no-op, returning False, for a model without them)."""
+    found = latent_layers(model)
+    if not found:
+        return False
+    rotary = _rotary(model)
+    if rotary is None:
+        raise ValueError("latent_kv: found no rotary embedding (a module named rotary_emb) in the model; allowed: "
+                         "decoder models with RoPE (Llama, Qwen, Gemma-3, Mistral, ...)")
+    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    for attn in found.values():
+        attn.__dict__["_latent_rope"] = (rotary, getattr(attn, "layer_type", None) if takes_type else None)
+    model.set_attn_implementation(NAME)
+    model.__dict__["_prepare_cache_for_generation"] = _MakeLatentCache(model)
+    return True
+
+
+def _rotary(model: nn.Module):
+    for name, mod in model.named_modules():
+        if name.endswith("rotary_emb"):
+            return mod
+    return None

@@ -1,0 +1,349 @@
+"""`LatentKVCache`: a transformers `Cache` that keeps the latents of `LatentKVLinear` projections, not keys and values.
+
+Per layer and per batch row it holds the key latent and the value latent of every token (R_k and R_v numbers a
+token, the projections' summed ranks): the most recent ones in 16 bits (float16 in a float32 model; a window of
+between ``window`` and ``window + group - 1`` tokens), the older ones as integer codes of ``bits`` bits, quantized per
+latent channel over groups of ``group`` consecutive tokens (one float16 scale and one uint8 zero point per
+channel and group). Per channel because the latent channels are the projection's singular directions, whose
+ranges differ by orders of magnitude (KIVI quantizes keys per channel for the same reason). ``bits=16``: no
+codes, every latent kept in the model's dtype (the exact form).
+
+The cache also keeps each token's position (int32, once for all layers): keys are rebuilt from their latent and
+rotated (RoPE) inside attention, at the positions they were seen at (left padding included).
+
+`update` does not return keys and values: it returns the layer itself, which the registered attention
+(`methods.latent_kv.attention`) reads. Sliding-window layers drop whole groups of tokens that no query can
+reach any more.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+
+from ...decompositions.quantize import pack, quantize_rtn, unpack
+from ...layout import find_decoder_layers
+from .layer import LatentKVLinear
+
+
+class _Positions:
+    """The positions of every cached token, (batch, tokens) int32: shared by the layers of one cache."""
+
+    def __init__(self):
+        self.ids: torch.Tensor | None = None
+
+    def extend(self, upto: int, position_ids: torch.Tensor) -> None:
+        """Make sure positions cover `upto` tokens, the last ``position_ids.shape[1]`` of which are `position_ids`."""
+        have = 0 if self.ids is None else self.ids.shape[1]
+        if have >= upto:
+            return
+        new = position_ids[:, position_ids.shape[1] - (upto - have):].to(torch.int32)
+        self.ids = new if self.ids is None else torch.cat([self.ids, new.to(self.ids.device)], 1)
+
+    def nbytes(self) -> int:
+        return 0 if self.ids is None else self.ids.numel() * self.ids.element_size()
+
+
+class _Latents:
+    """One stream of latents (the keys' or the values'): the first `sink` tokens in 16 bits, quantized groups of
+    tokens, then a 16-bit tail (the window)."""
+
+    def __init__(self, bits: int, group: int, window: int, sink: int = 0):
+        self.bits, self.group, self.window, self.sink = bits, group, window, sink
+        self.head: torch.Tensor | None = None  # (b, <= sink, R)
+        self.codes = self.scale = self.zero = None  # (b, groups, R, group*bits/8) uint8; (b, groups, R) f16 / uint8
+        self.tail: torch.Tensor | None = None  # (b, tokens, R): float16 beside codes, else the model's dtype
+
+    @property
+    def n_head(self) -> int:
+        return 0 if self.head is None else self.head.shape[1]
+
+    @property
+    def n_quantized(self) -> int:
+        return 0 if self.codes is None else self.codes.shape[1] * self.group
+
+    def __len__(self) -> int:
+        return self.n_head + self.n_quantized + (0 if self.tail is None else self.tail.shape[1])
+
+    def append(self, z: torch.Tensor) -> None:
+        if self.bits < 16 and z.dtype == torch.float32:
+            z = z.to(torch.float16)  # the window of a quantized cache: 16-bit, as a bf16 cache's values are
+        self.tail = z if self.tail is None else torch.cat([self.tail, z], 1)
+        if self.bits >= 16:
+            return
+        if self.n_head < self.sink and self.codes is None:  # the first tokens (attention sinks) are never quantized
+            n = min(self.sink - self.n_head, self.tail.shape[1])
+            self.head = self.tail[:, :n] if self.head is None else torch.cat([self.head, self.tail[:, :n]], 1)
+            self.tail = self.tail[:, n:]
+        while self.tail.shape[1] >= self.window + self.group:
+            self._quantize(self.tail[:, : self.group])
+            self.tail = self.tail[:, self.group:]
+
+    def _quantize(self, chunk: torch.Tensor) -> None:
+        b, g, r = chunk.shape
+        q = quantize_rtn(chunk.transpose(1, 2).reshape(b * r, g), self.bits, g)
+        codes = pack(q.codes, self.bits).view(b, 1, r, -1)
+        scale, zero = q.scale.view(b, 1, r), q.zero.view(b, 1, r)
+        if self.codes is None:
+            self.codes, self.scale, self.zero = codes, scale, zero
+        else:
+            self.codes = torch.cat([self.codes, codes], 1)
+            self.scale = torch.cat([self.scale, scale], 1)
+            self.zero = torch.cat([self.zero, zero], 1)
+
+    def read(self, start: int, end: int, dtype) -> torch.Tensor:
+        """Latents of tokens [start, end) (indices into what is held), (b, end - start, R), in `dtype`."""
+        parts, h = [], self.n_head
+        if start < h:
+            parts.append(self.head[:, start:min(end, h)].to(dtype))
+        if end > h:
+            parts.append(self._read_body(max(start - h, 0), end - h, dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+    def _read_body(self, start: int, end: int, dtype) -> torch.Tensor:
+        parts, nq = [], self.n_quantized
+        if start < nq:
+            g0, g1 = start // self.group, -(-min(end, nq) // self.group)
+            codes = self.codes[:, g0:g1]
+            b, n, r, _ = codes.shape
+            c = unpack(codes.reshape(-1), self.bits)[: b * n * r * self.group].view(b, n, r, self.group).to(dtype)
+            z = (c - self.zero[:, g0:g1, :, None].to(dtype)) * self.scale[:, g0:g1, :, None].to(dtype)
+            z = z.transpose(2, 3).reshape(b, n * self.group, r)
+            parts.append(z[:, start - g0 * self.group: min(end, nq) - g0 * self.group])
+        if end > nq:
+            parts.append(self.tail[:, max(start - nq, 0): end - nq].to(dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+    def drop(self, tokens: int) -> int:
+        """Forget up to `tokens` of the oldest tokens, in whole pieces (the head, quantized groups; unquantized:
+        whole groups of the tail); returns how many were forgotten."""
+        done = 0
+        if self.head is not None and self.n_head <= tokens:
+            done, self.head = self.n_head, None
+        n = (tokens - done) // self.group
+        if self.bits < 16:
+            n = min(n, self.n_quantized // self.group)
+        if n > 0:
+            self.drop_groups(n)
+        return done + max(n, 0) * self.group
+
+    def drop_groups(self, n: int) -> None:
+        """Forget the oldest `n` quantized groups (or, unquantized, the oldest `n * group` tokens)."""
+        if self.codes is not None:
+            self.codes, self.scale, self.zero = self.codes[:, n:], self.scale[:, n:], self.zero[:, n:]
+        else:
+            self.tail = self.tail[:, n * self.group:]
+
+    def select(self, fn) -> None:
+        """Apply `fn` to the batch dimension of every tensor held (beam reorder, repeat, select)."""
+        for name in ("head", "codes", "scale", "zero", "tail"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, fn(t))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.head, self.codes, self.scale, self.zero, self.tail)
+                   if t is not None)
+
+
+class LatentKVLayer(CacheLayerMixin):
+    """One decoder layer's latents (see the module docstring)."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, positions: _Positions, bits: int = 4, group: int = 64, window: int = 64, sink: int = 16,
+                 sliding_window: int | None = None):
+        super().__init__()
+        self.positions, self.bits, self.group, self.window, self.sink = positions, bits, group, window, sink
+        self.is_sliding = sliding_window is not None
+        self.sliding_window = sliding_window
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.k = _Latents(self.bits, self.group, self.window, self.sink)
+        self.v = _Latents(self.bits, self.group, self.window, self.sink)
+        self.offset = 0  # tokens forgotten at the front (sliding-window layers)
+        self.seen = 0  # every token ever added
+        self.pending = None  # the dense states of the tokens being added, until the attention takes them
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pending = (key_states, value_states)
+        return self, self
+
+    def add(self, zk: torch.Tensor, zv: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Store the latents of the tokens `update` announced (called by the attention)."""
+        self.pending = None
+        self.seen += zk.shape[1]
+        self.positions.extend(self.seen, position_ids)
+        self.k.append(zk)
+        self.v.append(zv)
+
+    def held(self) -> int:
+        return self.seen - self.offset
+
+    def forget(self) -> None:
+        """Sliding-window layers: drop the whole groups that no later query can reach (after a step's attention,
+        so that the mask of the step, made before it, still matches what is held)."""
+        if not self.is_sliding:
+            return
+        n = max(self.seen - self.sliding_window - self.offset, 0)
+        if n > 0:
+            done = self.k.drop(n)
+            self.v.drop(n)  # the same pieces: both streams hold the same tokens alike
+            self.offset += done
+
+    def token_positions(self) -> torch.Tensor:
+        return self.positions.ids[:, self.offset: self.seen]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.held() + query_length, self.offset
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def _select(self, fn) -> None:
+        self.k.select(fn)
+        self.v.select(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda t: t[indices])
+
+    def nbytes(self) -> int:
+        return self.k.nbytes() + self.v.nbytes()
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+
+class LatentKVCache(Cache):
+    """The cache `generate` uses for a model with `LatentKVLinear` projections (made for it automatically; pass
+    ``past_key_values=LatentKVCache(model, bits=...)`` to choose other settings). Layers whose projections are
+    not latent get transformers' own dynamic layers."""
+
+    def __init__(self, model, bits: int | None = None, group: int | None = None, window: int | None = None,
+                 sink: int | None = None):
+        cfg = model.config.get_text_config(decoder=True)
+        found = latent_layers(model)
+        given = {"bits": bits, "group": group, "window": window, "sink": sink}
+        self.settings = {k: v if given[k] is None else given[k] for k, v in latent_settings(model).items()}
+        _check_settings(self.settings)
+        self.token_positions = _Positions()
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+        latent_sliding = {i in found for i, kind in enumerate(types) if kind == "sliding_attention"}
+        if len(latent_sliding) > 1:  # transformers makes one mask for all sliding layers, from the first one's sizes
+            raise ValueError("LatentKVCache: some sliding-window layers have latent projections and others not; "
+                             "allowed: latent_kv on all of a model's sliding-window layers or on none (layers=)")
+        layers = []
+        for i, kind in enumerate(types):
+            sliding = getattr(cfg, "sliding_window", None) if kind == "sliding_attention" else None
+            if i in found:
+                layers.append(LatentKVLayer(self.token_positions, sliding_window=sliding, **self.settings))
+            elif sliding is not None:
+                layers.append(DynamicSlidingWindowLayer(sliding_window=sliding))
+            else:
+                layers.append(DynamicLayer())
+        super().__init__(layers=layers)
+
+    def _positions_too(self, fn) -> None:
+        if self.token_positions.ids is not None:
+            self.token_positions.ids = fn(self.token_positions.ids)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self._positions_too(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._positions_too(lambda t: t.repeat_interleave(repeats, dim=0))
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self._positions_too(lambda t: t[indices])
+        super().batch_select_indices(indices)
+
+    def reset(self):
+        self.token_positions.ids = None
+        super().reset()
+
+    def nbytes(self) -> int:
+        """Bytes held: every layer's codes, scales, zero points and full-precision latents (dense layers' keys and
+        values where a layer is not latent), and the positions."""
+        total = self.token_positions.nbytes()
+        for layer in self.layers:
+            if isinstance(layer, LatentKVLayer):
+                total += layer.nbytes()
+            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
+                total += (layer.keys.numel() + layer.values.numel()) * layer.keys.element_size()
+        return total
+
+
+def dense_cache_bytes(config, tokens: int, batch: int = 1, dtype=torch.bfloat16) -> int:
+    """What transformers' DynamicCache holds for `tokens` tokens of `batch` rows in `dtype` (sliding-window
+    layers: their last ``sliding_window - 1`` tokens): the reference of every KV byte ratio."""
+    cfg = config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    per_token = 2 * cfg.num_key_value_heads * head_dim * batch * torch.empty(0, dtype=dtype).element_size()
+    return sum(per_token * (min(tokens, cfg.sliding_window - 1) if kind == "sliding_attention" else tokens)
+               for kind in types)
+
+
+def latent_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """{decoder layer index: its attention module} of the layers whose k_proj and v_proj are both latent."""
+    _, layer_list = find_decoder_layers(model)
+    out = {}
+    for i, layer in enumerate(layer_list):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and isinstance(getattr(attn, "k_proj", None), LatentKVLinear) \
+                and isinstance(getattr(attn, "v_proj", None), LatentKVLinear):
+            out[i] = attn
+    return out
+
+
+#: the cache settings a model uses when its config says nothing
+CACHE_DEFAULTS = {"bits": 4, "group": 64, "window": 64, "sink": 16}
+
+
+def latent_settings(model: nn.Module) -> dict:
+    """The cache settings of the model's latent_kv entry (its options ``bits``, ``group``, ``window``, ``sink``)."""
+    cfg = getattr(model.config, "quantization_config", None)
+    for e in getattr(cfg, "entries", None) or ():
+        if getattr(e, "method", None) == "latent_kv":
+            return {k: e.options.get(k, v) for k, v in CACHE_DEFAULTS.items()}
+    return dict(CACHE_DEFAULTS)
+
+
+BITS_ALLOWED = (2, 3, 4, 5, 6, 8, 16)
+
+
+def _check_settings(s: dict) -> None:
+    from ...validation import fail, is_int
+
+    if type(s["bits"]) is not int or s["bits"] not in BITS_ALLOWED:
+        fail("bits", s["bits"], " | ".join(map(str, BITS_ALLOWED)) + " (bits per latent value; 16: kept in the model's dtype)")
+    if not is_int(s["group"], 8) or s["group"] % 8 or s["group"] > 4096:
+        fail("group", s["group"], "a multiple of 8 in [8, 4096] (tokens sharing one scale and zero point per channel)")
+    if not is_int(s["window"], 0):
+        fail("window", s["window"], "an int >= 0 (recent tokens kept in full precision)")
+    if not is_int(s["sink"], 0):
+        fail("sink", s["sink"], "an int >= 0 (the first tokens, attention sinks, kept in 16 bits)")

@@ -1,0 +1,256 @@
+"""``latent_kv``: the key and value projections as calibrated low-rank maps to a latent, and a KV cache of latents.
+
+Palu / Eigen Attention on a trained model, without training: each ``k_proj`` / ``v_proj`` W (out x in) becomes a
+`LatentKVLinear`, per group of ``head_groups`` KV heads (default: all the heads of a layer share one latent) a
+down-projection U_rᵀ W_g to r numbers and the up-projection U_r, where U are the output directions of W_g S
+(S Sᵀ = XᵀX of the projection's inputs on the calibration text, ``whiten=True``: `decompositions.svd.output_basis`),
+so the dropped singular values are exactly the output error on those inputs. The model then caches the latents
+(`LatentKVCache`: ``bits``-bit codes per channel over groups of ``group`` tokens, the last ``window`` tokens in
+full precision) and attends with the registered ``latent_kv`` attention, which ``generate`` uses without further
+arguments, and a reload too.
+
+Sizes: ``kv_bytes`` (default 0.25), a fraction of the bytes a bfloat16 DynamicCache holds for the same tokens:
+each latent value costs bits/8 bytes plus 3 bytes (a float16 scale and a uint8 zero point) per ``group`` tokens;
+the ranks of every group of every layer, keys and values alike, are chosen together by the greedy rule of
+`decompositions.allocation` on each projection's relative whitened loss, so the latent costs at most
+``kv_bytes`` of the bf16 keys and values (the full-precision window and the positions come on top: at 2,048 tokens
+with the default window of 64, ``window / tokens`` of the latents' full-precision cost). ``rank=`` instead:
+every group that rank (an int, or a fraction of the group's rows). At full rank with ``bits=16`` the model and its
+cache compute what the dense model computes with a DynamicCache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...decompositions import relative_error
+from ...decompositions.svd import output_basis, whitening_factor
+from ...validation import fail, is_int, is_number, resolve_rank
+from ..base import Allocation, Method, register_method, spec_fail
+from .cache import _check_settings
+from .layer import LatentKVLinear
+
+DEFAULT_KV_BYTES = 0.25
+METRICS = ("attention", "output")
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _dense(module) -> torch.Tensor:
+    """A projection's weight (float64), dense: an nn.Linear's, or a factored module's product."""
+    w = module.weight if isinstance(module, torch.nn.Linear) else module.dense_weight()
+    return w.detach().double()
+
+
+def value_bytes(o: dict) -> float:
+    """Bytes a latent value costs per token: its code, and its group's scale and zero point shared by `group` tokens
+    (bits=16: a bfloat16 value)."""
+    return 2.0 if o["bits"] >= 16 else o["bits"] / 8 + 3 / o["group"]
+
+
+@register_method
+class LatentKV(Method):
+    name = "latent_kv"
+    default_targets = ("self_attn.k_proj", "self_attn.v_proj")
+    default_rank = None
+    layer_types = ("latent_kv",)
+    remedy = "a larger rank or kv_bytes"
+    option_defaults = {"kv_bytes": None, "bits": 4, "group": 64, "window": 64, "sink": 16, "head_groups": None,
+                       "whiten": True, "damping": 1e-4, "metric": "attention",
+                       "key_weight": 1.0}
+
+    def validate_options(self, options):
+        o = super().validate_options(options)
+        t = o["kv_bytes"]
+        if t is not None and (not is_number(t) or not 0 < t <= 1):
+            fail("kv_bytes", t, "None, or a float in (0, 1]: the fraction of a bfloat16 DynamicCache's bytes the latent "
+                 "cache may hold")
+        _check_settings(o)
+        if o["head_groups"] is not None and not is_int(o["head_groups"], 1):
+            fail("head_groups", o["head_groups"], "None (one latent for all the KV heads of a layer) or an int >= 1 (KV "
+                 "heads sharing one latent; it must divide the model's KV heads)")
+        if not isinstance(o["whiten"], bool):
+            fail("whiten", o["whiten"], "True (fit to the projection's output on the calibration text) | False (plain SVD)")
+        if not is_number(o["damping"]) or not 0 <= o["damping"] <= 10:
+            fail("damping", o["damping"], "a number in [0, 10]")
+        if not is_number(o["key_weight"]) or not 0 < o["key_weight"] <= 100:
+            fail("key_weight", o["key_weight"], "a number in (0, 100]: how much a key's relative error counts in the "
+                 "kv_bytes allocation against a value's")
+        if o["metric"] not in METRICS:
+            fail("metric", o["metric"], " | ".join(map(repr, METRICS)) + " (the error each fit minimises: what the "
+                 "attention reads, or the projection's own output)")
+        return o
+
+    def validate_rank(self, rank, options):
+        if rank is None:
+            if options["kv_bytes"] is None:
+                options["kv_bytes"] = DEFAULT_KV_BYTES
+            return None
+        if options["kv_bytes"] is not None:
+            fail("rank", rank, "None with kv_bytes= (the ranks are allocated from the byte budget)")
+        return super().validate_rank(rank, options)
+
+    def validate_target(self, target, options):
+        fail("target", target, "None: latent_kv's budget is kv_bytes= (a fraction of the bf16 KV-cache bytes)")
+
+    def needs(self, entry):
+        return frozenset({"gram"} if entry.options["whiten"] else set())
+
+    def allocates(self, entry):
+        return entry.options["kv_bytes"] is not None
+
+    def ladder_needs(self, entry, backward=True):
+        return self.needs(entry)
+
+    def start_allocation(self, entry) -> Allocation:
+        return Allocation(budget=entry.options["kv_bytes"])
+
+    # ------------------------------------------------------------------ checks before any weight loads
+    def _groups(self, entry, cfg) -> int:
+        """Latent groups per projection."""
+        per = entry.options["head_groups"] or cfg.num_key_value_heads
+        return cfg.num_key_value_heads // per
+
+    def check_unit(self, modules, entry, ctx):
+        self._config = ctx.config
+        cfg, o = ctx.config, entry.options
+        kv, d = cfg.num_key_value_heads, _head_dim(cfg)
+        if o["head_groups"] is not None and kv % o["head_groups"]:
+            fail("head_groups", o["head_groups"], f"a divisor of the model's {kv} KV heads")
+        groups = self._groups(entry, cfg)
+        layers: dict[str, set] = {}
+        for name, mod in modules.items():
+            li, _, rest = name.partition(".")
+            layers.setdefault(li, set()).add(rest.rpartition(".")[2])
+            where = f"{ctx.prefix}.{name} ({mod.out_features}x{mod.in_features})"
+            if mod.out_features != kv * d:
+                fail("targets", entry.targets, f"the key and value projections only ({where} has {mod.out_features} "
+                     f"outputs, not {kv} KV heads x {d})")
+            rows = mod.out_features // groups
+            if isinstance(entry.rank, int) and entry.rank > rows:
+                fail("rank", entry.rank, f"an int in [1, {rows}] (the rows of one group of {rows // d} KV heads of {where}) "
+                     "or a float in (0, 1]")
+        for li, kinds in layers.items():
+            if kinds != {"k_proj", "v_proj"}:
+                fail("targets", entry.targets, f"both k_proj and v_proj of each layer (layer {li}: {sorted(kinds)})")
+        if o["kv_bytes"] is not None:
+            least = groups * value_bytes(o) / (2 * kv * d)
+            if o["kv_bytes"] < least:
+                fail("kv_bytes", o["kv_bytes"], f"at least {least:.4f} (rank 1 for each of the {groups} latent group(s) "
+                     f"of a projection at bits={o['bits']}, group={o['group']})")
+
+    def check_spec(self, name, spec, entry, unit, ctx):
+        groups = self._groups(entry, ctx.config)
+        if len(spec["ranks"]) != groups:
+            spec_fail(name, "ranks", spec["ranks"], f"{groups} rank(s), one per latent group", entry)
+        return None
+
+    # ------------------------------------------------------------------ the fit
+    def _basis(self, module, stats, entry, groups: int, metrics=None):
+        """Per group of rows: (U, σ) of its whitened (and, with `metrics`, weighted) output, float64."""
+        s = None
+        if entry.options["whiten"]:
+            if stats is None or stats.gram is None:
+                raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration= "
+                                 "or whiten=False")
+            s = whitening_factor(stats.gram, entry.options["damping"])
+        w = module.weight.detach().float()
+        return [output_basis(wg, s, None if metrics is None else metrics[g]) for g, wg in enumerate(w.chunk(groups, 0))]
+
+    def _metrics(self, name, lin, stats, entry, ctx, groups: int):
+        """``metric="attention"``: per group, the weights of its output error by what reads it. A key's error counts
+        by the energy of the queries scored against it, per channel (E q² on the calibration inputs, summed over
+        the KV head's query heads, averaged over each RoPE pair: a relative rotation mixes the pair); a value's by
+        the ``o_proj`` columns of its query heads (the Cholesky factor of their Gram, per KV head). None: no
+        weighting (``metric="output"``, or no decoder layers at hand)."""
+        if entry.options["metric"] != "attention" or ctx.layers is None:
+            return None
+        attn = ctx.layers[int(name.partition(".")[0])].self_attn
+        d = _head_dim(ctx.config)
+        kv = lin.out_features // d
+        rep = ctx.config.num_attention_heads // kv
+        if name.endswith("k_proj"):
+            wq = _dense(attn.q_proj)
+            g = stats.gram.double() if stats is not None and stats.gram is not None else None
+            energy = (wq @ g * wq).sum(1) if g is not None else wq.pow(2).sum(1)
+            e = energy.view(kv, rep, d).sum(1)
+            e = (e + e.roll(d // 2, -1)) / 2  # the pair (i, i + d/2) rotates together
+            a = (e.flatten() / e.mean()).clamp_min(1e-8).sqrt()
+            return list(a.chunk(groups))
+        wo = _dense(attn.o_proj).view(-1, kv, rep * d)
+        blocks = []
+        for j in range(kv):
+            cols = wo[:, j].reshape(-1, rep, d).permute(1, 0, 2).reshape(-1, d)  # its query heads' columns, stacked
+            m = cols.T @ cols
+            m = m / m.diagonal().mean()
+            m.diagonal().add_(1e-6)
+            blocks.append(torch.linalg.cholesky(m).T)  # ‖L^T Δv‖ = ‖W_o Δv‖
+        per = kv // groups
+        return [torch.block_diag(*blocks[g * per:(g + 1) * per]) for g in range(groups)]
+
+    def ladder(self, name, module, stats, entry, alloc):
+        groups = self._groups(entry, self._config)
+        spectra = [sv.pow(2) for _, sv in self._basis(module, stats, entry, groups)]
+        total = float(sum(float(p.sum()) for p in spectra)) or 1.0
+        if name.endswith("k_proj"):
+            total /= entry.options["key_weight"]
+        unit = module.weight.numel() * value_bytes(entry.options) / (2 * module.out_features)  # one latent dim's cost
+        ranks = [1] * groups
+        loss = sum(float(p[1:].sum()) for p in spectra)
+        steps = sorted(((float(p[j]), g) for g, p in enumerate(spectra) for j in range(1, len(p))), reverse=True)
+        costs, losses, settings = [unit * groups], [loss / total], [list(ranks)]
+        for energy, g in steps:
+            ranks[g] += 1
+            loss -= energy
+            costs.append(costs[-1] + unit)
+            losses.append(max(loss, 0.0) / total)
+            settings.append(list(ranks))
+        alloc.settings[name] = settings
+        return costs, losses
+
+    def compress(self, modules, entry, ctx):
+        self._config = ctx.config
+        groups = self._groups(entry, ctx.config)
+        out = {}
+        for name, lin in modules.items():
+            stats = (ctx.stats or {}).get(name)
+            metrics = self._metrics(name, lin, stats, entry, ctx, groups)
+            bases = self._basis(lin, stats, entry, groups, metrics)
+            if ctx.allocation is not None:
+                ranks = ctx.allocation.settings[name][ctx.allocation.rungs[name]]
+            else:
+                ranks = [resolve_rank(entry.rank, u.shape[1]) for u, _ in bases]
+            w = lin.weight.detach().float()
+            ups, downs = [], []
+            for g, ((u, _), r, wg) in enumerate(zip(bases, ranks, w.chunk(groups, 0))):
+                u = u[:, :r]
+                a = None if metrics is None else metrics[g].double()
+                if a is None:
+                    up, down = u, u.T @ wg.double()
+                elif a.ndim == 1:
+                    up, down = u / a[:, None], (u * a[:, None]).T @ wg.double()
+                else:  # a = metric block, upper triangular: up = a⁻¹ U_r, down = U_rᵀ a W
+                    up = torch.linalg.solve_triangular(a, u, upper=True)
+                    down = u.T @ a @ wg.double()
+                ups.append(up.float())
+                downs.append(down.float())
+            bias = None if lin.bias is None else lin.bias.detach()
+            new = LatentKVLinear.build(ups, downs, bias, lin.weight.dtype)
+            kept = sum(float(sv[:r].pow(2).sum()) for (_, sv), r in zip(bases, ranks))
+            energy = sum(float(sv.pow(2).sum()) for _, sv in bases) or 1.0
+            out[name] = (new, {"ranks": ranks, "rank": sum(ranks),
+                               "rel_error": relative_error(w, new.dense_weight().detach().float()),
+                               **({"whitened_error": round(max(1 - kept / energy, 0.0) ** 0.5, 6)}
+                                  if entry.options["whiten"] else {}),
+                               "kv_fraction": round(sum(ranks) * value_bytes(entry.options) / (2 * lin.out_features), 6)})
+        return out
+
+    def finish(self, model, entry, ctx, runner):
+        from .attention import enable
+
+        enable(model)
+        return None
+
+    _config = None  # the model's config, for `ladder` (which is not handed the context)

@@ -1,0 +1,291 @@
+"""``method="latent_kv"``: latent key / value projections, the latent cache and the attention that reads it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from hf_tensorcomp import TensorCompressionConfig
+from hf_tensorcomp.methods.latent_kv import LatentKVCache, LatentKVLinear, dense_cache_bytes
+from hf_tensorcomp.methods.latent_kv import attention as latent_attention
+from tiny import ARCHS, VOCAB
+
+
+def load(path, **kw):
+    cfg = TensorCompressionConfig(method="latent_kv", **{"whiten": False, **kw})
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg).eval()
+
+
+def dense(path):
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+@torch.no_grad()
+def decode_logits(model, ids, prefill: int, cache=None):
+    """Logits of every position: `prefill` tokens at once, then one token a step through `cache` (default: the
+    model's own choice, a LatentKVCache for a latent model, else a DynamicCache)."""
+    if cache is None:
+        cache = LatentKVCache(model) if latent_attention.latent_layers(model) else DynamicCache(config=model.config)
+    out = [model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+    for t in range(prefill, ids.shape[1]):
+        out.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(out, 1), cache
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def long_ids(n=40, batch=2, seed=3):
+    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# exactness at full rank and full precision
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_rank_full_precision_equals_dynamic_cache(tiny_dirs, arch, monkeypatch):
+    monkeypatch.setattr(latent_attention, "BLOCK", 7)  # keys rebuilt in several blocks
+    model, ref = load(tiny_dirs[arch], rank=1.0, bits=16), dense(tiny_dirs[arch])
+    assert isinstance(model.model.layers[0].self_attn.k_proj, LatentKVLinear)
+    assert model.config._attn_implementation == "latent_kv"
+    ids = long_ids()
+    want, _ = decode_logits(ref, ids, 9)
+    got, cache = decode_logits(model, ids, 9)
+    assert isinstance(cache, LatentKVCache)
+    assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item() + 1e-6
+
+
+def test_full_rank_exact_with_one_latent_per_kv_head(tiny_dirs):
+    model, ref = load(tiny_dirs["llama"], rank=1.0, bits=16, head_groups=1), dense(tiny_dirs["llama"])
+    assert model.model.layers[0].self_attn.k_proj.ranks == [8, 8]  # 2 KV heads of 8 dims, one latent each
+    ids = long_ids()
+    got, _ = decode_logits(model, ids, 5)
+    want, _ = decode_logits(ref, ids, 5)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_lower_rank_is_not_exact(tiny_dirs):
+    """The decode path really reads the latents: a rank-2 latent gives other logits than the dense model."""
+    model, ref = load(tiny_dirs["llama"], rank=2, bits=16), dense(tiny_dirs["llama"])
+    ids = long_ids()
+    assert rel(decode_logits(model, ids, 5)[0], decode_logits(ref, ids, 5)[0]) > 1e-3
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the error falls as the budget grows
+# --------------------------------------------------------------------------------------------------------------
+
+def test_error_falls_with_rank(tiny_dirs):
+    ids, ref = long_ids(), dense(tiny_dirs["llama"])
+    want, _ = decode_logits(ref, ids, 5)
+    errs = [rel(decode_logits(load(tiny_dirs["llama"], rank=r, bits=16), ids, 5)[0], want) for r in (2, 8, 14, 16)]
+    assert errs[0] > errs[1] > errs[2] > errs[3] and errs[3] < 1e-5, errs
+
+
+def test_error_falls_with_bits(tiny_dirs):
+    ids, ref = long_ids(), dense(tiny_dirs["llama"])
+    want, _ = decode_logits(ref, ids, 5)
+    errs = [rel(decode_logits(load(tiny_dirs["llama"], rank=1.0, bits=b, group=8, window=0), ids, 5)[0], want)
+            for b in (2, 4, 8)]
+    assert errs[0] > errs[1] > errs[2] > 0, errs
+
+
+def test_error_falls_with_kv_bytes_and_ranks_follow_the_budget(tiny_dirs):
+    ids, ref = long_ids(), dense(tiny_dirs["qwen3"])
+    want, _ = decode_logits(ref, ids, 5)
+    errs, sizes = [], []
+    for budget in (0.05, 0.12, 0.25):
+        model = load(tiny_dirs["qwen3"], kv_bytes=budget, bits=4, group=8, window=0)
+        latents = [m.latent_size for m in model.modules() if isinstance(m, LatentKVLinear)]
+        # each latent value costs 4/8 + 3/8 bytes a token, a dense bf16 one 2: 32 dims of k and v a layer
+        assert sum(latents) * (0.5 + 3 / 8) <= budget * 2 * 32 * 2 * 3 + 1e-9
+        sizes.append(sum(latents))
+        errs.append(rel(decode_logits(model, ids, 5)[0], want))
+    assert sizes[0] < sizes[1] < sizes[2] and errs[0] > errs[1] > errs[2], (sizes, errs)
+
+
+def test_whitened_fit_minimises_the_output_error_on_the_calibration_inputs(tiny_dirs):
+    """whiten=True: the recorded whitened error is the first projection's output error on the calibration inputs
+    (ids of four tokens of the vocabulary here), far below the plain SVD's there; the model stays closer too."""
+    calib = torch.randint(0, 4, (8, 32), generator=torch.Generator().manual_seed(7))
+    plain = load(tiny_dirs["llama"], rank=3, bits=16)
+    white = load(tiny_dirs["llama"], rank=3, bits=16, whiten=True, calibration=calib, metric="output")
+    ref = dense(tiny_dirs["llama"])
+    stats = white.config.quantization_config.stats["modules"]
+    assert all(0 < s["whitened_error"] < 1 for s in stats.values())
+    with torch.no_grad():
+        x = ref.model.layers[0].input_layernorm(ref.model.embed_tokens(calib))
+        want = ref.model.layers[0].self_attn.k_proj(x)
+        errs = [rel(m.model.layers[0].self_attn.k_proj(x), want) for m in (white, plain)]
+    assert abs(errs[0] - stats["model.layers.0.self_attn.k_proj"]["whitened_error"]) < 0.02
+    assert errs[0] < 0.5 * errs[1], errs
+    ids = torch.randint(0, 4, (2, 40), generator=torch.Generator().manual_seed(8))
+    want, _ = decode_logits(ref, ids, 5)
+    assert rel(decode_logits(white, ids, 5)[0], want) < 0.8 * rel(decode_logits(plain, ids, 5)[0], want)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# bytes
+# --------------------------------------------------------------------------------------------------------------
+
+def test_nbytes_is_what_the_cache_holds(tiny_dirs):
+    model = load(tiny_dirs["llama"], rank=4, bits=4, group=8, window=0, sink=0)
+    ids = long_ids(n=33, batch=1)
+    _, cache = decode_logits(model, ids, 17)
+    # 3 layers x (k + v): 32 tokens as 4 groups of 8, 4 channels: codes 4 x 4 x 8 / 2, scales 2 and zeros 1 a channel
+    # and group; the 33rd token's latents in float16 (4 + 4 numbers a layer; the model is float32); positions int32
+    per_stream = 4 * 4 * 8 // 2 + 4 * 4 * 3 + 1 * 4 * 2
+    assert cache.nbytes() == 3 * 2 * per_stream + 33 * 4
+    assert dense_cache_bytes(model.config, 33) == 3 * 2 * 2 * 8 * 33 * 2
+
+
+def test_the_first_tokens_stay_in_16_bits(tiny_dirs):
+    """``sink``: the first tokens (attention sinks) are never quantized; they cost 16 bits a value, and the logits of
+    2-bit latents come closer to the exact ones with them."""
+    ids, ref = long_ids(n=48, batch=1), dense(tiny_dirs["llama"])
+    want, _ = decode_logits(ref, ids, 20)
+    caches, errs = [], []
+    for sink in (0, 8):
+        model = load(tiny_dirs["llama"], rank=1.0, bits=2, group=8, window=0, sink=sink)
+        got, cache = decode_logits(model, ids, 20)
+        caches.append(cache)
+        errs.append(rel(got[:, 20:], want[:, 20:]))
+    assert caches[1].layers[0].k.n_head == 8 and caches[1].layers[0].k.n_quantized == 40
+    assert caches[1].nbytes() - caches[0].nbytes() == 3 * 2 * (8 * 16 * 2 - 16 * 8 // 4 - 16 * 3)
+    assert errs[1] < errs[0], errs
+
+
+def test_sliding_window_layers_forget_what_no_query_reaches(tiny_dirs):
+    """Gemma-3's sliding layers (window 8 here) hold a bounded number of tokens; the logits stay exact."""
+    model, ref = load(tiny_dirs["gemma3"], rank=1.0, bits=16, group=8), dense(tiny_dirs["gemma3"])
+    ids = long_ids(n=60, batch=1)
+    got, cache = decode_logits(model, ids, 4)
+    want, _ = decode_logits(ref, ids, 4)
+    assert (got - want).abs().max().item() < 1e-5
+    sliding = [layer for layer in cache.layers if layer.is_sliding]
+    assert sliding and all(layer.held() <= 8 + 8 and layer.offset > 0 for layer in sliding)
+    assert cache.layers[2].held() == 60  # the global layer keeps everything
+
+
+# --------------------------------------------------------------------------------------------------------------
+# generate, save / reload, weight compression beside it
+# --------------------------------------------------------------------------------------------------------------
+
+def test_generate_variants_equal_the_dense_model_at_full_rank(tiny_dirs):
+    model, ref = load(tiny_dirs["llama"], rank=1.0, bits=16), dense(tiny_dirs["llama"])
+    ids = long_ids(n=6)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    kw = dict(attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    out = model.generate(ids, do_sample=False, return_dict_in_generate=True, **kw)
+    assert isinstance(out.past_key_values, LatentKVCache)
+    assert torch.equal(out.sequences, ref.generate(ids, do_sample=False, **kw))
+    assert torch.equal(model.generate(ids, num_beams=3, do_sample=False, **kw),
+                       ref.generate(ids, num_beams=3, do_sample=False, **kw))
+    torch.manual_seed(5)
+    sampled = model.generate(ids, do_sample=True, top_k=20, **kw)
+    torch.manual_seed(5)
+    assert torch.equal(sampled, ref.generate(ids, do_sample=True, top_k=20, **kw))
+
+
+def test_generate_with_quantized_latents_runs_and_stays_close(tiny_dirs):
+    model = load(tiny_dirs["gemma3"], kv_bytes=0.3, bits=4, group=8, window=4)
+    ids = long_ids(n=6)
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, num_beams=2, pad_token_id=0)
+    assert out.shape == (2, 36)
+
+
+def test_save_reload_uses_latent_cache_without_arguments(tiny_dirs, tmp_path):
+    model = load(tiny_dirs["llama"], kv_bytes=0.2, bits=4, group=8, window=2)
+    ids = long_ids()
+    before, _ = decode_logits(model, ids, 5)
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert again.config._attn_implementation == "latent_kv"
+    assert [m.ranks for m in again.modules() if isinstance(m, LatentKVLinear)] == \
+        [m.ranks for m in model.modules() if isinstance(m, LatentKVLinear)]
+    after, cache = decode_logits(again, ids, 5)
+    assert cache.settings == {"bits": 4, "group": 8, "window": 2, "sink": 16}
+    assert torch.equal(after, before)
+    out = again.generate(ids[:, :4], max_new_tokens=8, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    assert isinstance(out.past_key_values, LatentKVCache)
+    assert torch.equal(out.sequences, model.generate(ids[:, :4], max_new_tokens=8, do_sample=False, pad_token_id=0))
+
+
+def test_combines_with_weight_compression(tiny_dirs, tmp_path):
+    from hf_tensorcomp.methods.qlr import QuantizedLowRankLinear
+
+    cfg = TensorCompressionConfig(entries=[
+        {"method": "qlr", "rank": 4, "quantizer": "rtn", "whiten": False, "targets": ["self_attn.q_proj", "self_attn.o_proj", "mlp.*"]},
+        {"method": "latent_kv", "kv_bytes": 0.25, "whiten": False, "group": 8},
+    ])
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg).eval()
+    attn = model.model.layers[1].self_attn
+    assert isinstance(attn.q_proj, QuantizedLowRankLinear) and isinstance(attn.k_proj, LatentKVLinear)
+    ids = long_ids(n=6)
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(again.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0), out)
+
+
+def test_text_generation_pipeline(tiny_with_tokenizer):
+    from transformers import AutoTokenizer, pipeline
+
+    tok = AutoTokenizer.from_pretrained(tiny_with_tokenizer)
+    texts = [pipeline("text-generation", model=m, tokenizer=tok)("w1 w2 w3", max_new_tokens=6, do_sample=False)
+             for m in (load(tiny_with_tokenizer, rank=1.0, bits=16), dense(tiny_with_tokenizer))]
+    assert texts[0] == texts[1]
+
+
+def test_a_plain_forward_keeps_working(tiny_dirs):
+    """Without generate (a DynamicCache, or no cache) the latent attention is SDPA on the projections' outputs."""
+    model, ref = load(tiny_dirs["qwen3"], rank=1.0, bits=16), dense(tiny_dirs["qwen3"])
+    ids = long_ids()
+    with torch.no_grad():
+        assert (model(ids).logits - ref(ids).logits).abs().max().item() < 1e-5
+        assert (model(ids, use_cache=False).logits - ref(ids).logits).abs().max().item() < 1e-5
+
+
+# --------------------------------------------------------------------------------------------------------------
+# bad settings, refused before any weight loads
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, field", [
+    ({"kv_bytes": 0}, "kv_bytes"), ({"kv_bytes": 1.5}, "kv_bytes"), ({"kv_bytes": "0.1"}, "kv_bytes"),
+    ({"bits": 7}, "bits"), ({"bits": 4.0}, "bits"), ({"bits": True}, "bits"),
+    ({"group": 12}, "group"), ({"window": -1}, "window"), ({"sink": 1.5}, "sink"), ({"rank": 0}, "rank"),
+    ({"rank": 4, "kv_bytes": 0.1}, "rank"), ({"head_groups": 0}, "head_groups"), ({"whiten": "yes"}, "whiten"),
+    ({"target": 0.5}, "target"),
+])
+def test_bad_settings_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=rf"\b{field}\b.*allowed"):
+        TensorCompressionConfig(method="latent_kv", **kw)
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"rank": 17}, "rank"), ({"head_groups": 3, "rank": 2}, "head_groups"),
+    ({"targets": ["self_attn.k_proj"], "rank": 2}, "targets"), ({"targets": ["self_attn.q_proj", "self_attn.k_proj"], "rank": 2}, "targets"),
+    ({"kv_bytes": 0.001}, "kv_bytes"),
+])
+def test_bad_settings_for_the_model_refused_before_weights_load(tiny_dirs, kw, field, monkeypatch):
+    from hf_tensorcomp.methods.latent_kv.method import LatentKV
+
+    def never(*a, **k):
+        raise AssertionError("compress ran")
+
+    monkeypatch.setattr(LatentKV, "compress", never)
+    with pytest.raises(ValueError, match=rf"\b{field}\b.*allowed"):
+        AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+            method="latent_kv", whiten=False, **kw))
+
+
+def test_bad_cache_settings_name_the_field(tiny_dirs):
+    model = load(tiny_dirs["llama"], rank=2)
+    with pytest.raises(ValueError, match=r"\bbits\b.*allowed"):
+        LatentKVCache(model, bits=1)
+    with pytest.raises(ValueError, match=r"\bgroup\b.*allowed"):
+        LatentKVCache(model, group=10)
