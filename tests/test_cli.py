@@ -77,7 +77,7 @@ def test_script_entry_helps_without_importing_torch_then_runs_commands(tmp_path)
     root = str(Path(__file__).parents[1])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path,
                        env={"PYTHONPATH": root, "PATH": "", "OMP_NUM_THREADS": "1"})
-    assert "--method {einsort,laser,linearize,qlr,rotor,state_reduction,tensorllm,trawl}" in r.stdout and "\nLIGHT\n" in r.stdout, r.stdout + r.stderr
+    assert "--method {einsort,laser,latent_kv,linearize,qlr,rotor,state_reduction,tensorllm,trawl}" in r.stdout and "\nLIGHT\n" in r.stdout, r.stdout + r.stderr
     assert "laser: LASER" in r.stdout and "default rank: 0.5" in r.stdout, r.stdout + r.stderr
 
 
