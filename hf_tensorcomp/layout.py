@@ -37,3 +37,8 @@ def set_tied_embeddings(model_config, tied: bool) -> None:
     """``tie_word_embeddings`` on a model's config and on its text config (one object or two)."""
     for c in {id(c): c for c in (model_config, model_config.get_text_config())}.values():
         c.tie_word_embeddings = tied
+
+
+def head_dim(config) -> int:
+    """Width of one attention head: the config's ``head_dim``, else hidden size over the number of heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

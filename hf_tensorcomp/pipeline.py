@@ -136,8 +136,7 @@ def calibrate(model: nn.Module, config: TensorCompressionConfig, work, methods, 
     units, or for its global allocation), with the dense model's sensitivities attached; else None."""
     entries = config.entries
     needs = [m.needs(e) for m, e in zip(methods, entries)]
-    backward = stream is None and config.calibration is not None  # the dense model's output Fisher can be had
-    ladder = [m.ladder_needs(e, backward) if m.allocates(e) else frozenset() for m, e in zip(methods, entries)]
+    ladder = [m.ladder_needs(e) if m.allocates(e) else frozenset() for m, e in zip(methods, entries)]
     # streaming: the table's GPTQ reads the final hidden states, which only the runner can give
     table_states = stream is not None and bool(config.embedding_bits) and config.calibration is not None
     if not any(needs) and not any(ladder) and not table_states:
@@ -392,7 +391,7 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
             params, cost = _table_bytes(model, config)
             alloc.share = (alloc.budget * (total + params) - cost) / total
         ladders = {}
-        kinds = m.ladder_needs(entry, stream is None and config.calibration is not None)
+        kinds = m.ladder_needs(entry)
         if kinds:
             wanted = _by_layer({n: kinds for n in names})
 

@@ -217,10 +217,8 @@ class Method:
         (appended to the error's "allowed:"; empty when nothing)."""
         return ""
 
-    def ladder_needs(self, entry, backward: bool = True) -> frozenset:
-        """Statistics the `target` allocation reads (gathered in a first pass over the dense model); `backward`:
-        whether a backward pass of the whole dense model on calibration text is possible (not while streaming,
-        nor without calibration text)."""
+    def ladder_needs(self, entry) -> frozenset:
+        """Statistics the `target` allocation reads (gathered in a first pass over the dense model)."""
         return frozenset()
 
     def ladder(self, name: str, module: nn.Module, stats, entry, alloc: Allocation) -> tuple[list[float], list[float]]:

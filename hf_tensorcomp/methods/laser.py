@@ -115,7 +115,7 @@ class Laser(Method):
     def allocates(self, entry):
         return entry.target is not None and entry.options["allocation"] != "uniform"
 
-    def ladder_needs(self, entry, backward=True):
+    def ladder_needs(self, entry):
         sensitive = entry.options["allocation"] == "global" and entry.options["whiten"] == "cholesky"
         return (self.needs(entry) - {"cross"}) | ({"fisher"} if sensitive else set())
 

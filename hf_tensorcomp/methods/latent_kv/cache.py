@@ -19,10 +19,11 @@ reach any more.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from ...decompositions.quantize import pack, quantize_rtn, unpack
-from ...layout import find_decoder_layers
+from ...decompositions.quantize import BITS, pack, quantize_rtn, unpack
+from ...layout import find_decoder_layers, head_dim
 from .layer import LatentKVLinear
 
 
@@ -301,9 +302,8 @@ def dense_cache_bytes(config, tokens: int, batch: int = 1, dtype=torch.bfloat16)
     """What transformers' DynamicCache holds for `tokens` tokens of `batch` rows in `dtype` (sliding-window
     layers: their last ``sliding_window - 1`` tokens): the reference of every KV byte ratio."""
     cfg = config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    per_token = 2 * cfg.num_key_value_heads * head_dim * batch * torch.empty(0, dtype=dtype).element_size()
+    per_token = 2 * cfg.num_key_value_heads * head_dim(cfg) * batch * torch.empty(0, dtype=dtype).element_size()
     return sum(per_token * (min(tokens, cfg.sliding_window - 1) if kind == "sliding_attention" else tokens)
                for kind in types)
 
@@ -333,7 +333,7 @@ def latent_settings(model: nn.Module) -> dict:
     return dict(CACHE_DEFAULTS)
 
 
-BITS_ALLOWED = (2, 3, 4, 5, 6, 8, 16)
+BITS_ALLOWED = BITS + (16,)  # the quantizer's widths, and 16: no codes
 
 
 def _check_settings(s: dict) -> None:

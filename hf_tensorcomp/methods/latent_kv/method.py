@@ -27,15 +27,12 @@ from ...decompositions import relative_error
 from ...decompositions.svd import output_basis, whitening_factor
 from ...validation import fail, is_int, is_number, resolve_rank
 from ..base import Allocation, Method, register_method, spec_fail
-from .cache import _check_settings
+from ...layout import head_dim as _head_dim
+from .cache import CACHE_DEFAULTS, _check_settings
 from .layer import LatentKVLinear
 
 DEFAULT_KV_BYTES = 0.25
 METRICS = ("attention", "output")
-
-
-def _head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def _dense(module) -> torch.Tensor:
@@ -57,7 +54,7 @@ class LatentKV(Method):
     default_rank = None
     layer_types = ("latent_kv",)
     remedy = "a larger rank or kv_bytes"
-    option_defaults = {"kv_bytes": None, "bits": 4, "group": 64, "window": 64, "sink": 16, "head_groups": None,
+    option_defaults = {"kv_bytes": None, **CACHE_DEFAULTS, "head_groups": None,
                        "whiten": True, "damping": 1e-4, "metric": "attention",
                        "key_weight": 1.0}
 
@@ -101,7 +98,7 @@ class LatentKV(Method):
     def allocates(self, entry):
         return entry.options["kv_bytes"] is not None
 
-    def ladder_needs(self, entry, backward=True):
+    def ladder_needs(self, entry):
         return self.needs(entry)
 
     def start_allocation(self, entry) -> Allocation:

@@ -166,7 +166,7 @@ class QuantizedLowRank(Method):
     def allocates(self, entry):
         return entry.options["target_bytes"] is not None
 
-    def ladder_needs(self, entry, backward=True):
+    def ladder_needs(self, entry):
         o = entry.options
         gptq = o["estimate"] == "quantizer" and o["quantizer"] == "gptq"
         return frozenset(({"gram"} if o["whiten"] or gptq else set())
