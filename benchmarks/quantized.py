@@ -535,7 +535,10 @@ def header(cfg: dict) -> str:
         "measured here). GPTQModel rows (its GPTQ int4 with its defaults: symmetric, no activation order; + its EoRA "
         "correction) run in bfloat16, as its CPU kernel requires, and their ratios are to the dense model in bfloat16. "
         "Rows ending in `_rot`: `rotate=True` (each matrix quantized in a random block-Hadamard basis of its inputs, "
-        "the layer rotating its input). Written by benchmarks/quantized.py.\n\n"
+        "the layer rotating its input). Rows ending in `_mix` calibrate on both corpora; rows ending in `_defaults` "
+        "(`qlr_bytes_0.27_defaults`: `TensorCompressionConfig(method=\"qlr\", target_bytes=0.27)` and nothing else; "
+        "`qlr4_r0_defaults`: `bits=4, rank=0`) on the library's default calibration text, both corpora. "
+        "Written by benchmarks/quantized.py.\n\n"
     )
 
 
