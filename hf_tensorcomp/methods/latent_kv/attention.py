@@ -113,10 +113,10 @@ def _attend(module, layer: LatentKVLayer, query: torch.Tensor, mask, scaling) ->
         part = torch.matmul(w[..., start:end], layer.v.read(start, end, dtype)[:, None])  # (b, kvh, rep*q, R_v)
         y = part if y is None else y + part
     up = v_proj.weight  # (out_g, R_v)
-    per_group = v_proj.group_out // d
+    per_group, slices = v_proj.group_out // d, v_proj.group_slices()
     outs = []
     for h in range(kv_heads):
-        cols = v_proj.group_slices()[h // per_group]
+        cols = slices[h // per_group]
         rows = slice((h % per_group) * d, (h % per_group + 1) * d)
         outs.append(torch.matmul(y[:, h, :, cols], up[rows, cols].T))
     out = torch.stack(outs, 1)  # (b, kvh, rep*q, d)
