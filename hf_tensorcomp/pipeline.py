@@ -89,6 +89,8 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
     bytes_before = model_bytes(model)
     t0 = time.perf_counter()
     methods = [get_method(e.method) for e in config.entries]
+    for m, entry in zip(methods, config.entries):
+        m.settle(entry, config.calibration is not None, stream is not None)
     was_training = model.training
     model.eval()  # calibration and statistics without dropout; trainers set their own mode
     try:

@@ -716,7 +716,7 @@ def test_searched_grid_never_has_a_larger_round_trip_error(data):
 
 
 @pytest.mark.parametrize("kw", [{"bits": 4}, {"bits": 6}, {"bits": 3, "embedding_bits": 8, "embedding_group_size": 16},
-                                {"target_bytes": 0.4, "bit_choices": [2, 4, 8]}])
+                                {"target_bytes": 0.4, "bit_choices": [2, 4, 8], "estimate": "rtn", "allocation": "relative"}])
 def test_qlr_exports_a_compressed_tensors_base_that_transformers_loads(tiny_dirs, tmp_path, ids, kw):
     """The codes themselves, in compressed-tensors' pack-quantized format (one config group per width):
     transformers de-quantizes them to exactly our Q(W), and with the PEFT adapter the logits are ours."""

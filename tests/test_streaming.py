@@ -86,7 +86,7 @@ HEAL = {"mode": "layerwise", "layer_steps": 8, "samples": 8, "batch_size": 2}
     (dict(method="laser", rank=1, calibration=CAL), {"lr": 1e-2}),  # no statistics: no calibration runner
     (dict(method="laser", rank=1, pivoted=True, calibration=CAL), {"lr": 1e-2}),  # trained plain, stored pivoted
     # scales too; GPTQ in column order, unrotated, which leaves this tiny model something for healing to improve
-    (dict(method="qlr", bits=2, rank=2, group_size=16, calibration=CAL, act_order=False, rotate=False),
+    (dict(method="qlr", bits=2, rank=2, group_size=16, calibration=CAL, act_order=False, rotate=False, rounds=2),
      {"lr": 3e-3, "train": "all"}),
 ])
 def test_streaming_heals_each_layer_as_layerwise_healing_after_in_memory_compression(sharded, tmp_path, arch, kw, heal,
@@ -291,3 +291,23 @@ def test_calibration_states_on_disk_give_the_same_checkpoint(sharded, tmp_path, 
     assert not list((tmp_path / "runner").rglob("*.safetensors"))
     with pytest.raises(ValueError, match=r"compress_checkpoint\.states_dir: got .*; allowed: None \(states in memory\) or an existing folder"):
         hf_tensorcomp.compress_checkpoint(sharded[arch], tmp_path / "x", cfg(), states_dir=tmp_path / "missing")
+
+
+def test_qlr_auto_allocation_is_fisher_in_memory_and_relative_when_streaming(sharded, tmp_path, ids):
+    """``allocation="auto"`` (qlr's default) settles to ``"fisher"`` in memory and to ``"relative"`` while streaming
+    (no backward pass of the whole model there): each run equals the one naming its allocation, and the saved
+    config records which ran."""
+    kw = dict(method="qlr", target_bytes=0.4, group_size=16, calibration=CAL, progress=False)
+    auto = AutoModelForCausalLM.from_pretrained(sharded["llama"], quantization_config=TensorCompressionConfig(**kw))
+    fisher = AutoModelForCausalLM.from_pretrained(sharded["llama"], quantization_config=TensorCompressionConfig(
+        allocation="fisher", **kw))
+    assert auto.config.quantization_config.entries[0].options["allocation"] == "fisher"
+    a, f = auto.state_dict(), fisher.state_dict()
+    assert a.keys() == f.keys() and all(torch.equal(a[k], f[k]) for k in a)
+    hf_tensorcomp.compress_checkpoint(sharded["llama"], tmp_path / "auto", TensorCompressionConfig(**kw))
+    hf_tensorcomp.compress_checkpoint(sharded["llama"], tmp_path / "rel", TensorCompressionConfig(allocation="relative", **kw))
+    s_auto = AutoModelForCausalLM.from_pretrained(tmp_path / "auto")
+    s_rel = AutoModelForCausalLM.from_pretrained(tmp_path / "rel")
+    assert s_auto.config.quantization_config.entries[0].options["allocation"] == "relative"
+    a, r = s_auto.state_dict(), s_rel.state_dict()
+    assert all(torch.equal(a[k], r[k]) for k in a)

@@ -199,6 +199,11 @@ class Method:
     #: whether the global budget counts bytes (``target_bytes``): with ``embedding_bits`` it holds the table too
     byte_budget: bool = False
 
+    def settle(self, entry, calibrated: bool, streaming: bool) -> None:
+        """Fix the options whose best value depends on the run (``"auto"``), in ``entry.options``, before any
+        work: `calibrated`, whether the config has calibration text; `streaming`, whether the model is streamed
+        (`compress_checkpoint`), so no backward pass of the whole model. The saved config records what ran."""
+
     def needs(self, entry) -> frozenset:
         """Calibration statistics (`hf_tensorcomp.calibration.KINDS`) each targeted module must come with."""
         return frozenset()
