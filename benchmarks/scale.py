@@ -11,8 +11,26 @@ of the float32 model (where the machine lets a process make one; root, cgroup v1
 The ``-table8`` paths add ``embedding_bits=8`` (the input embedding and the head as 8-bit codes, GPTQ on
 the head's inputs): streaming reads, quantizes and writes the table a block of rows at a time.
 
+The ``7b-`` paths (issue 85; `scale_7b.py`): a LlamaForCausalLM checkpoint with Llama-2-7B's shapes (hidden
+4096, 32 layers, intermediate 11008, 32 heads; the vocabulary is SmolLM2's 49152 ids, 1.5x Llama-2's 32000, so that
+its tokenizer, saved beside, can give the calibration text), random N(0, 0.02) bfloat16 weights written shard by
+shard (~2 GB shards) into a temporary folder under /tmp, removed at the end. Each path runs the CLI's ``compress
+--stream`` with the first ``--layers-7b`` decoder layers compressed (default 1; the others copied through, written
+as float32 like every streamed layer), on one process (two threads) and on two (``torchrun --nproc-per-node 2``,
+gloo, a thread each), every process in its own memory cgroup (``--limit-mb``, default 8192, below the checkpoint's
+13 GB; each run stopped after ``--timeout-7b`` seconds). ``7b-qlr``: ``qlr`` at ``target_bytes=0.27`` (its allocation settles to "relative" while streaming);
+``7b-laser``: whitened LASER at ``target=0.8``, relative allocation; both calibrated on 8 x 256 tokens of
+Wikipedia in two batches (one a rank). Reported: each process's peak RSS above its start, seconds per compressed
+layer (its allocation pass + its compression pass, load to release), seconds per copied layer, whether the
+compressed layers are identical on 1 and 2 processes, and a Llama-2-70B estimate (80 layers; time x the layer's
+cost ratio, rows x cols^2 summed over its matrices for qlr's GPTQ, min^2 x max for LASER's SVDs; peak x the ratio
+of the layer's parameters; and the library's memory bound at 70B's shapes). ``--shape tiny`` runs the same path at
+hidden 512, 4 layers, printing its rows without writing them.
+
     python benchmarks/scale.py
     python benchmarks/scale.py --only memory-table8,stream-table8   # those paths, merged into the results
+    python benchmarks/scale.py --only 7b-qlr,7b-laser                # the 7B-shaped paths (~1 h on 2 cores; qlr is killed at 8 GB)
+    python benchmarks/scale.py --only 7b-qlr --shape tiny            # the same path at a small shape, not written
 """
 
 from __future__ import annotations
@@ -109,15 +127,35 @@ def main() -> None:
 
     from hf_tensorcomp import assets
 
+    import scale_7b
+
+    big = tuple(scale_7b.PATHS)
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", help=f"comma-separated paths among {', '.join(RUNS)} (unlimited), merged into the "
+    parser.add_argument("--only", help=f"comma-separated paths among {', '.join(RUNS + big)} (unlimited), merged into the "
                                        "results already written")
+    parser.add_argument("--shape", default="7b", choices=list(scale_7b.SHAPES), help="the 7b- paths' shapes (tiny: "
+                        "printed, not written)")
+    parser.add_argument("--layers-7b", type=int, default=1, help="the 7b- paths: decoder layers compressed (the first)")
+    parser.add_argument("--limit-mb", type=int, default=None, help="the 7b- paths: memory limit per process "
+                        "(default 8192; 1024 with --shape tiny)")
+    parser.add_argument("--timeout-7b", type=float, default=3600, help="the 7b- paths: seconds a run may take (then stopped, "
+                        "its row marked unfinished)")
     args = parser.parse_args()
     only = None if args.only is None else args.only.split(",")
-    if only is not None and not set(only) <= set(RUNS):
-        parser.error(f"--only: got {args.only!r}; allowed: a comma-separated subset of {', '.join(RUNS)}")
-    ctx = mp.get_context("spawn")
+    if only is not None and not set(only) <= set(RUNS + big):
+        parser.error(f"--only: got {args.only!r}; allowed: a comma-separated subset of {', '.join(RUNS + big)}")
     rows = []
+    if only is not None and set(only) & set(big):
+        tiny = args.shape == "tiny"  # printed, not written
+        rows = scale_7b.run([p for p in only if p in big], args.shape, args.layers_7b, args.limit_mb,
+                            timeout=args.timeout_7b, done=None if tiny else lambda done: _write(done, merge=True))
+        if tiny:
+            print(scale_7b.report(rows))
+            return
+        only = [p for p in only if p not in big]
+        if not only:
+            return
+    ctx = mp.get_context("spawn")
     for model in ("smollm2", "gemma3"):
         src = Path(assets.model_path(model))
         fp32_mb = sum(math.prod(h.get_slice(k).get_shape()) * 4 for f in src.glob("*.safetensors")
@@ -159,21 +197,35 @@ def main() -> None:
         for r in rows[-len(runs):]:
             r["identical"] = same.get(next(ref for ref, streams in GROUPS.items() if r["how"] in (ref, *streams)))
             r["bound"] = r.get("bound_mb", {}).get("bound")
-    if only is not None:  # merged: the rows run now replace their namesakes
-        fresh = {(r["model"], r["how"], r["limit_mb"]) for r in rows}
-        old_rows = json.loads((RESULTS / f"{NAME}.json").read_text())
-        rows = [r for r in old_rows if (r["model"], r["how"], r["limit_mb"]) not in fresh] + rows
-        order = {m: i for i, m in enumerate(("smollm2", "gemma3"))}
-        rows.sort(key=lambda r: (order.get(r["model"], 9), r["limit_mb"] is not None, RUNS.index(r["how"])))
+    _write(rows, merge=only is not None)
+
+
+def _key(r: dict) -> tuple:
+    return r["model"], r["how"], r["limit_mb"], r.get("processes")
+
+
+def _write(rows: list[dict], merge: bool) -> None:
+    """scale.json / scale.md: `rows`, and of the rows written before those not run now (`merge`: all of them; else
+    the 7B-shaped ones, which a plain run does not redo)."""
+    import scale_7b
+
+    old_rows = json.loads((RESULTS / f"{NAME}.json").read_text()) if (RESULTS / f"{NAME}.json").exists() else []
+    fresh = {_key(r) for r in rows}
+    rows = [r for r in old_rows if _key(r) not in fresh and (merge or r["how"] in scale_7b.PATHS)] + rows
+    order = {m: i for i, m in enumerate(("smollm2", "gemma3", *scale_7b.MODEL.values()))}
+    paths = RUNS + tuple(scale_7b.PATHS)
+    rows.sort(key=lambda r: (order.get(r["model"], 9), r["limit_mb"] is not None and r["how"] in RUNS,
+                             paths.index(r["how"]), r.get("processes") or 0))
     write_json(f"{NAME}.json", rows)
-    md = markdown_table(rows, [("model", "model", "{}"), ("how", "path", "{}"), ("fp32_mb", "float32 model MB", "{:,}"),
+    small = [r for r in rows if r["how"] in RUNS]
+    big = [r for r in rows if r["how"] in scale_7b.PATHS]
+    md = markdown_table(small, [("model", "model", "{}"), ("how", "path", "{}"), ("fp32_mb", "float32 model MB", "{:,}"),
                                ("limit_mb", "memory limit MB", "{}"), ("ok", "finished", "{}"),
                                ("peak_mb", "peak RSS above start MB", "{}"), ("peak_vs_fp32", "peak / float32 model", "{:.2f}"),
                                ("layers_peak_mb", "peak over the layers MB", "{}"), ("bound", "bound MB", "{}"),
                                ("setup_peak_mb", "peak before the first layer MB", "{}"), ("seconds", "seconds", "{:.0f}"),
                                ("identical", "outputs identical (memory vs its streams)", "{}")])
-    (RESULTS / f"{NAME}.md").write_text(
-        "# Streaming vs in-memory compression\n\n" + json.dumps(CFG) + "\n\nPeak: resident memory above the "
+    text = ("# Streaming vs in-memory compression\n\n" + json.dumps(CFG) + "\n\nPeak: resident memory above the "
         "child's value at the start, sampled every 2 ms. The limited rows run in a memory cgroup whose limit is 60 % "
         "of the float32 model, joined after the child's imports (what it allocates from then on, page cache included, "
         "is charged; the kernel kills it past the limit). Bound: the streaming "
@@ -185,9 +237,26 @@ def main() -> None:
         "gguf-memory / gguf-stream: the bundled GGUF file to a float32 checkpoint with its tokenizer, by transformers' "
         "GGUF loading (the whole model de-quantized in memory, then saved) and by `hf_tensorcomp.convert_gguf` (tensor by "
         "tensor, 100 MB shards). "
-        "Written by benchmarks/scale.py.\n\n"
-        + md + "\n")
-    print(md)
+        "Written by benchmarks/scale.py.\n\n" + md + "\n")
+    if big:
+        text += ("\n## A Llama-2-7B-shaped checkpoint (issue 85)\n\n"
+                 "Random N(0, 0.02) bfloat16 weights with Llama-2-7B's shapes (hidden 4096, 32 layers, intermediate "
+                 "11008, 32 heads; vocabulary 49152, SmolLM2's tokenizer: 1.5x Llama-2's table), written shard by shard. "
+                 "The CLI's `compress --stream` with the first layers compressed and the rest copied through (as "
+                 "float32), on 1 process (2 threads) and 2 (`torchrun`, gloo, 1 thread each), each process in its own "
+                 "memory cgroup. 7b-qlr: `method=\"qlr\", target_bytes=0.27` (allocation settled to \"relative\"); "
+                 "7b-laser: `method=\"laser\", target=0.8, whiten=True, allocation=\"relative\"`; calibration: 8 x 256 "
+                 "tokens of Wikipedia, batches of 4. Seconds per compressed layer: its allocation pass (qlr's ladders) "
+                 "+ its compression pass (calibration forward, statistics, compression, propagation), from the layer's "
+                 "read to its release (rank 0's). 70B estimate (Llama-2-70B: 80 layers, hidden 8192, intermediate 28672, "
+                 "8 KV heads): time per layer x the layer's cost ratio (qlr: rows x cols^2 summed over the matrices, "
+                 "GPTQ's sweep; LASER: min^2 x max, the SVDs), peak x the ratio of the layer's parameters, and the "
+                 "library's bound (`streaming._memory_bound`) at 70B's shapes. Written by benchmarks/scale.py "
+                 "(`--only 7b-qlr,7b-laser`).\n\n" + scale_7b.report(big) + "\n"
+                 + "".join(f"\n- {r['how']}, {r['processes']} process(es): {r.get('error') or r.get('peak_note')}"
+                           for r in big if r.get("error") or r.get("peak_note")) + "\n")
+    (RESULTS / f"{NAME}.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
