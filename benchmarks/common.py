@@ -195,6 +195,7 @@ def bench_main(doc: str, name: str, defaults: dict, run, report, plot, header) -
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
     cfg = load_recipe(args.recipe, defaults)
+    name = cfg.get("results", name)
     rows = json.loads((RESULTS / f"{name}.json").read_text()) if args.report_only else run(cfg)
     md = report(rows)
     (RESULTS / f"{name}.md").write_text(header(cfg) + md)

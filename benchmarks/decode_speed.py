@@ -46,6 +46,7 @@ DEFAULTS = {
     "build_threads": os.cpu_count() or 1,  # compression only: speed depends on the shapes, not on the codes
     "rounds": 5,
     "retime": False,  # True: time the models again although all their rows are in the JSON (after a speed fix)
+    "results": NAME,  # the results files' name (results/<results>.json / .md / .png): a recipe timing other rows apart
 }
 ROWS = {
     "rtn4": {"method": "qlr", "rank": 0, "quantizer": "rtn", "whiten": False},
@@ -138,7 +139,7 @@ def _model(job: dict, q) -> None:
 
 
 def run(cfg: dict) -> list[dict]:
-    """One child per model whose rows are not all in ``results/decode_speed.json`` (every model with
+    """One child per model whose rows are not all in ``results/<results>.json`` (every model with
     ``retime``); its rows replace that model's old ones (ratios only within one run)."""
     import json
 
@@ -155,7 +156,7 @@ def run(cfg: dict) -> list[dict]:
         raise SystemExit(f"dtypes: got {cfg['dtypes']!r}; allowed: a non-empty list of \"fp32\" and \"bf16\"")
     if not isinstance(cfg["retime"], bool):
         raise SystemExit(f"retime: got {cfg['retime']!r}; allowed: true or false")
-    path = RESULTS / f"{NAME}.json"
+    path = RESULTS / f"{cfg['results']}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     labels = list(dict.fromkeys(["dense", *cfg["rows"], *cfg["saved"]]))
     for model in cfg["models"]:
@@ -165,7 +166,7 @@ def run(cfg: dict) -> list[dict]:
         if new is None:
             continue
         rows = [r for r in rows if r["model"] != model] + new
-        write_json(f"{NAME}.json", rows)
+        write_json(path.name, rows)
     return rows
 
 
