@@ -49,7 +49,7 @@ from functools import partial
 import torch
 
 from ...decompositions.hadamard import rotate, rotate_gram, rotation_block, rotation_signs, unrotate
-from ...decompositions.quantize import BITS, GRIDS, quantize_gptq, quantize_rtn, stored_bytes
+from ...decompositions.quantize import BITS, GRIDS, gptq_plan, quantize_gptq, quantize_rtn, stored_bytes
 from ...decompositions.svd import whitened_svd, whitening_factor
 from ...validation import choices, fail, is_int, is_number
 from ..base import Allocation, Method, register_method
@@ -204,20 +204,23 @@ class QuantizedLowRank(Method):
         o = entry.options
         return o["quantizer"] == "gptq" and not (estimating and o["estimate"] == "rtn")
 
-    def _gram(self, stats, entry, rot, estimating=False):
-        """The inputs' Gram matrix in the quantizer's basis (Rᵀ XᵀX R with a rotation), once per matrix;
-        None where the quantizer needs none."""
+    def _plan(self, stats, entry, rot, device, estimating=False):
+        """GPTQ's plan (`gptq_plan`: the damped inverse of the inputs' Gram in the quantizer's basis, Rᵀ XᵀX R with a
+        rotation, and the column order), on the weight's `device`, once per matrix for every width and round; None
+        where the quantizer needs none. The rotated Gram is released once the plan is made."""
         if not self._gptq(entry, estimating):
             return None
-        return stats.gram if rot is None else rotate_gram(stats.gram.double(), *rot)
+        gram = stats.gram if rot is None else rotate_gram(stats.gram.double(), *rot)
+        o = entry.options
+        return gptq_plan(gram.to(device), o["gptq_damping"], o["act_order"])
 
-    def _quantize(self, w, bits, entry, gram, group_size=None, estimating=False, rot=None):
-        """The quantizer's codes of `w` (of `w` R with a rotation `rot`; `gram` from `_gram`)."""
+    def _quantize(self, w, bits, entry, plan, group_size=None, estimating=False, rot=None):
+        """The quantizer's codes of `w` (of `w` R with a rotation `rot`; `plan` from `_plan`)."""
         o, g = entry.options, group_size or entry.group_size
         if rot is not None:
             w = rotate(w, *rot)
         if self._gptq(entry, estimating):
-            return quantize_gptq(w, gram, bits, g, o["gptq_damping"], o["grid"], act_order=o["act_order"])
+            return quantize_gptq(w, None, bits, g, grid=o["grid"], plan=plan)
         return quantize_rtn(w, bits, g, o["grid"])
 
     @staticmethod
@@ -228,12 +231,12 @@ class QuantizedLowRank(Method):
     def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s, rot=None) -> tuple:
         """(QTensor, A, B) for one matrix: quantize, fit the correction, alternate."""
         w = w.detach().float()
-        gram = self._gram(stats, entry, rot)
-        q = self._quantize(w, bits, entry, gram, rot=rot)
+        plan = self._plan(stats, entry, rot, w.device)
+        q = self._quantize(w, bits, entry, plan, rot=rot)
         a = b = None
         for k in range(1 + entry.options["rounds"] if rank else 0):
             if k:
-                q = self._quantize(w - b @ a, bits, entry, gram, rot=rot)
+                q = self._quantize(w - b @ a, bits, entry, plan, rot=rot)
             b, a, _ = whitened_svd(w - self._approx(q, rot), rank, s)
         return q, a, b
 
@@ -275,7 +278,7 @@ class QuantizedLowRank(Method):
         d = stats.fisher.clamp_min(0).sqrt().double() if how in ("fisher", "measured") else None
         w = module.weight.detach().float()
         rot = None if table else self._rotation(w.shape[1], entry, w.device)
-        gram = self._gram(stats, entry, rot, estimating=True)
+        plan = self._plan(stats, entry, rot, w.device, estimating=True)
 
         def weighted(m, rows=slice(None)):
             m = m[rows].double() @ s if s is not None else m[rows].double()
@@ -290,7 +293,7 @@ class QuantizedLowRank(Method):
             ref = energy(w) / (w.numel() if how == "size" else 1)
         points = []
         for b in bits:
-            q = self._quantize(w, b, entry, gram, group_size, estimating=True, rot=rot)
+            q = self._quantize(w, b, entry, plan, group_size, estimating=True, rot=rot)
             if alloc.measured and b == bits[0]:  # the cheapest rung, for the measurement
                 alloc.probes[name] = partial(self._approx, q, rot)
             err = w - self._approx(q, rot)
