@@ -14,7 +14,7 @@ OpenWebText eval perplexity (8,192 tokens each) beside it, as in ``quantized.py`
 
 Rows per model (SmolLM2-135M-Instruct ``smollm2``, Gemma-3-270M ``gemma3``; float32, CPU), ``ROWS`` below:
 ``dense``; ``defaults_mix`` (target_bytes=0.27 on both corpora, nothing else set); ``uniform4_wiki`` (bits=4,
-rank=0 on Wikipedia); ``defaults_wiki`` (target_bytes=0.27 on Wikipedia). Bytes: the decoder linears' stored
+rank=0 on Wikipedia); ``defaults_wiki`` (target_bytes=0.27 on Wikipedia); ``quanto_int4`` (the peer, optimum-quanto int4). Bytes: the decoder linears' stored
 bytes over their bf16 bytes (``quantized._linear_bytes``). Each row runs in a child process and is appended
 to ``results/other_prose.json`` when done (a rerun skips the rows the file holds); ``.md`` is rewritten too.
 
@@ -42,6 +42,7 @@ ROWS = {  # label -> TensorCompressionConfig fields (None: the dense model)
     "defaults_mix": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia+owt"},
     "uniform4_wiki": {"method": "qlr", "bits": 4, "rank": 0, "calibration": "wikipedia"},
     "defaults_wiki": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia"},
+    "quanto_int4": "quanto",  # the peer: optimum-quanto int4 weight-only, groups of 128 (as in quantized.py)
 }
 
 
@@ -64,10 +65,14 @@ def _one(job: dict, q) -> None:
     path, tok, row = child_setup(job)
     fields = ROWS[job["row"]]
     t0 = time.perf_counter()
-    cfg = None if fields is None else TensorCompressionConfig(**fields)
+    cfg = None if not isinstance(fields, dict) else TensorCompressionConfig(**fields)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg).eval()
+    if fields == "quanto":
+        from hf_tensorcomp.eval.peers import quanto_weight_only
+
+        quanto_weight_only(model, 4)
     row["compress_s"] = round(time.perf_counter() - t0, 1)
-    if fields is not None:
+    if isinstance(fields, dict):
         mods = model.config.quantization_config.stats["modules"].values()
         row["bits"] = sorted({m["bits"] for m in mods if "bits" in m})
         row["mean_rank"] = round(sum(m.get("rank", 0) for m in mods) / max(len(mods), 1), 1)
@@ -100,6 +105,7 @@ def report(rows: list[dict]) -> str:
 
 def header() -> str:
     settings = "; ".join(f"`{k}`: " + ("the model as shipped" if v is None else
+                                       "optimum-quanto int4 weight-only (groups of 128)" if v == "quanto" else
                                        "`TensorCompressionConfig(" + ", ".join(f"{a}={b!r}" for a, b in v.items()) + ")`")
                          for k, v in ROWS.items())
     return (
