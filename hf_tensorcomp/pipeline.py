@@ -446,6 +446,7 @@ def _ladders(m, entry, alloc, layer_list, stats: dict, what: str) -> dict:
 
     def ladder(n):
         out = m.ladder(n, layer_list.get_submodule(n), stats[n], entry, alloc)
+        stats[n] = None  # its statistics (a Gram: 1 GB for a 7B down_proj) are not read again: freed before the next
         return out, alloc.settings.get(n), alloc.uniform.get(n)
 
     if group is None or alloc.measured:

@@ -228,6 +228,7 @@ class LayerwiseRunner:
                 st.weight_grad = self.weight_grad.get(n)
                 if device is not None:
                     st.to(device)  # gathered on the host; a no-op on the CPU
+            st = None  # the loop's last statistics: on_layer may free them
             changed = on_layer(li, stats)
             del stats
             if changed and propagate and (li < last or keep_last):  # the outputs again, from the compressed layer
