@@ -14,7 +14,8 @@ OpenWebText eval perplexity (8,192 tokens each) beside it, as in ``quantized.py`
 
 Rows per model (SmolLM2-135M-Instruct ``smollm2``, Gemma-3-270M ``gemma3``; float32, CPU), ``ROWS`` below:
 ``dense``; ``defaults_mix`` (target_bytes=0.27 on both corpora, nothing else set); ``uniform4_wiki`` (bits=4,
-rank=0 on Wikipedia); ``defaults_wiki`` (target_bytes=0.27 on Wikipedia); ``quanto_int4`` (the peer, optimum-quanto int4). Bytes: the decoder linears' stored
+rank=0 on Wikipedia); ``uniform4_mix`` (the same on both corpora: the uniform setting ``defaults_mix`` contains,
+calibrated as it is); ``defaults_wiki`` (target_bytes=0.27 on Wikipedia); ``quanto_int4`` (the peer, optimum-quanto int4). Bytes: the decoder linears' stored
 bytes over their bf16 bytes (``quantized._linear_bytes``). Each row runs in a child process and is appended
 to ``results/other_prose.json`` when done (a rerun skips the rows the file holds); ``.md`` is rewritten too.
 
@@ -41,6 +42,7 @@ ROWS = {  # label -> TensorCompressionConfig fields (None: the dense model)
     "dense": None,
     "defaults_mix": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia+owt"},
     "uniform4_wiki": {"method": "qlr", "bits": 4, "rank": 0, "calibration": "wikipedia"},
+    "uniform4_mix": {"method": "qlr", "bits": 4, "rank": 0, "calibration": "wikipedia+owt"},
     "defaults_wiki": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia"},
     "quanto_int4": "quanto",  # the peer: optimum-quanto int4 weight-only, groups of 128 (as in quantized.py)
 }

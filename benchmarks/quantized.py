@@ -69,6 +69,7 @@ ROWS = {  # label -> TensorCompressionConfig fields
     "qlr_bytes_0.33": {"method": "qlr", "target_bytes": 0.33, "bit_choices": [2, 4, 8], "rounds": 1, "grid": "minmax"},
     "laser0.6_f8": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 8},
     "laser0.6_f4": {"method": "laser", "target": 0.6, "whiten": True, "factor_bits": 4},
+    "laser0.6_bf16": {"method": "laser", "target": 0.6, "whiten": True},  # the factors unquantized, beside f8 / f4
     # calibrated LASER at 80 % (the earlier main job's settings) on Wikipedia, and on both bundled corpora (the
     # library's default calibration): what the mix does to the off-domain collapse (OpenWebText is then in-domain)
     "laser0.8_bf16": {"method": "laser", "target": 0.8, "whiten": True, "weighting": "fisher"},
