@@ -441,12 +441,13 @@ def allocate(config, work, methods, layer_list, runner, stream=None, model=None)
 def _ladders(m, entry, alloc, layer_list, stats: dict, what: str) -> dict:
     """{module name: its ladder} for the modules of `stats` ({name: its statistics or None}); distributed, dealt out
     over the ranks (what a rung stands for, ``alloc.settings`` / ``alloc.uniform``, sent with each; with
-    ``measured`` every rank prices every module: the probes it keeps are functions)."""
+    ``measured`` every rank prices every module: the probes it keeps are functions). Each module's entry of `stats`
+    is set to None once its ladder is priced, so that a layer's statistics are not all held to the end."""
     group = distributed.group()
 
     def ladder(n):
         out = m.ladder(n, layer_list.get_submodule(n), stats[n], entry, alloc)
-        stats[n] = None  # its statistics (a Gram: 1 GB for a 7B down_proj) are not read again: freed before the next
+        stats[n] = None  # not read again (a 7B down_proj's Gram is 1 GB): freed before the next module's ladder
         return out, alloc.settings.get(n), alloc.uniform.get(n)
 
     if group is None or alloc.measured:
