@@ -446,7 +446,11 @@ def _ladders(m, entry, alloc, layer_list, stats: dict, what: str) -> dict:
     group = distributed.group()
 
     def ladder(n):
-        out = m.ladder(n, layer_list.get_submodule(n), stats[n], entry, alloc)
+        alloc.layers = layer_list
+        try:
+            out = m.ladder(n, layer_list.get_submodule(n), stats[n], entry, alloc)
+        finally:
+            alloc.layers = None
         stats[n] = None  # not read again (a 7B down_proj's Gram is 1 GB): freed before the next module's ladder
         return out, alloc.settings.get(n), alloc.uniform.get(n)
 

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_tensorcomp import TensorCompressionConfig
 from hf_tensorcomp.methods.latent_kv import LatentKVCache, LatentKVLinear, dense_cache_bytes
+from hf_tensorcomp.methods.latent_kv.layer import LatentKeyLinear
 from hf_tensorcomp.methods.latent_kv import attention as latent_attention
 from tiny import ARCHS, VOCAB
 
@@ -45,11 +46,16 @@ def long_ids(n=40, batch=2, seed=3):
 # exactness at full rank and full precision
 # --------------------------------------------------------------------------------------------------------------
 
+LATENT_KEYS = lambda m: [x for x in m.modules() if isinstance(x, (LatentKVLinear, LatentKeyLinear))]  # noqa: E731
+
+
+@pytest.mark.parametrize("keys", ["rotated", "latent"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_full_rank_full_precision_equals_dynamic_cache(tiny_dirs, arch, monkeypatch):
-    monkeypatch.setattr(latent_attention, "BLOCK", 7)  # keys rebuilt in several blocks
-    model, ref = load(tiny_dirs[arch], rank=1.0, bits=16), dense(tiny_dirs[arch])
-    assert isinstance(model.model.layers[0].self_attn.k_proj, LatentKVLinear)
+def test_full_rank_full_precision_equals_dynamic_cache(tiny_dirs, arch, keys, monkeypatch):
+    monkeypatch.setattr(latent_attention, "BLOCK", 7)  # keys="latent": keys rebuilt in several blocks
+    model, ref = load(tiny_dirs[arch], rank=1.0, bits=16, keys=keys), dense(tiny_dirs[arch])
+    kind = LatentKeyLinear if keys == "rotated" else LatentKVLinear
+    assert isinstance(model.model.layers[0].self_attn.k_proj, kind)
     assert model.config._attn_implementation == "latent_kv"
     ids = long_ids()
     want, _ = decode_logits(ref, ids, 9)
@@ -58,8 +64,9 @@ def test_full_rank_full_precision_equals_dynamic_cache(tiny_dirs, arch, monkeypa
     assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item() + 1e-6
 
 
-def test_full_rank_exact_with_one_latent_per_kv_head(tiny_dirs):
-    model, ref = load(tiny_dirs["llama"], rank=1.0, bits=16, head_groups=1), dense(tiny_dirs["llama"])
+@pytest.mark.parametrize("keys", ["rotated", "latent"])
+def test_full_rank_exact_with_one_latent_per_kv_head(tiny_dirs, keys):
+    model, ref = load(tiny_dirs["llama"], rank=1.0, bits=16, head_groups=1, keys=keys), dense(tiny_dirs["llama"])
     assert model.model.layers[0].self_attn.k_proj.ranks == [8, 8]  # 2 KV heads of 8 dims, one latent each
     ids = long_ids()
     got, _ = decode_logits(model, ids, 5)
@@ -67,11 +74,73 @@ def test_full_rank_exact_with_one_latent_per_kv_head(tiny_dirs):
     assert (got - want).abs().max().item() < 1e-5
 
 
-def test_lower_rank_is_not_exact(tiny_dirs):
+@pytest.mark.parametrize("keys", ["rotated", "latent"])
+def test_lower_rank_is_not_exact(tiny_dirs, keys):
     """The decode path really reads the latents: a rank-2 latent gives other logits than the dense model."""
-    model, ref = load(tiny_dirs["llama"], rank=2, bits=16), dense(tiny_dirs["llama"])
+    model, ref = load(tiny_dirs["llama"], rank=2, bits=16, keys=keys), dense(tiny_dirs["llama"])
     ids = long_ids()
     assert rel(decode_logits(model, ids, 5)[0], decode_logits(ref, ids, 5)[0]) > 1e-3
+
+
+def test_rotated_key_scores_are_those_of_the_keys_the_latent_stands_for(tiny_dirs):
+    """keys="rotated", rank 3 of 16: the attention scores the queries against the stored latents; the logits are
+    those of an attention over the keys up · z (the dense keys' projection, rotated keys in, rotated keys out)
+    and the rank-3 values."""
+    model = load(tiny_dirs["llama"], rank=3, bits=16, keys="rotated")
+    ref = dense(tiny_dirs["llama"])
+    for a, b in zip(model.model.layers, ref.model.layers):
+        k = a.self_attn.k_proj
+        proj = k.up.detach() @ k.down.detach()  # rank 3, acting on the rotated keys
+        assert torch.linalg.matrix_rank(proj) == 3
+        b.self_attn.__dict__["_key_projection"] = proj
+        b.self_attn.v_proj = a.self_attn.v_proj  # the values at rank 3 too (their dense form: bits=16)
+    ids = long_ids(n=20)
+    want = _decode_with_projected_keys(ref, ids, 5)
+    got, _ = decode_logits(model, ids, 5)
+    assert (got[:, 5:] - want[:, 5:]).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert rel(got[:, 5:], decode_logits(ref, ids, 5)[0][:, 5:]) > 1e-3
+
+
+@torch.no_grad()
+def _decode_with_projected_keys(ref, ids, prefill):
+    """A DynamicCache decode in which the cached (rotated) keys of decode steps are projected by each layer's
+    ``_key_projection``: the prompt's keys go through it as well, as the latent cache stores them."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attn(module, q, k, v, mask, **kw):
+        p = module.__dict__["_key_projection"]
+        kp = (k.transpose(1, 2).flatten(2) @ p.T).view(k.shape[0], k.shape[2], k.shape[1], -1).transpose(1, 2)
+        return sdpa_attention_forward(module, q, kp if q.shape[2] == 1 else k, v, mask, **kw)
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("projected_keys_test", attn)
+    AttentionMaskInterface.register("projected_keys_test", sdpa_mask)
+    ref.set_attn_implementation("projected_keys_test")
+    try:
+        return decode_logits(ref, ids, prefill, cache=DynamicCache(config=ref.config))[0]
+    finally:
+        ref.set_attn_implementation("sdpa")
+
+
+def test_rotation_average_is_the_mean_over_positions():
+    """`rotation_average` in closed form against the mean of R_t M R_tᵀ built position by position."""
+    from hf_tensorcomp.methods.latent_kv.method import rotation_average
+
+    d, heads, n = 8, 2, 50
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv
+    cos, sin = torch.cat([ang.cos()] * 2, 1), torch.cat([ang.sin()] * 2, 1)
+    a = torch.randn(heads * d, heads * d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    m = a @ a.T
+    half = torch.zeros(d, d, dtype=torch.float64)  # rotate_half as a matrix
+    half[: d // 2, d // 2:] = -torch.eye(d // 2)
+    half[d // 2:, : d // 2] = torch.eye(d // 2)
+    j = torch.block_diag(*[half] * heads)
+    want = sum((torch.diag(c.repeat(heads)) + torch.diag(s.repeat(heads)) @ j) @ m
+               @ (torch.diag(c.repeat(heads)) + torch.diag(s.repeat(heads)) @ j).T for c, s in zip(cos, sin)) / n
+    assert torch.allclose(rotation_average(m, cos, sin), want, atol=1e-10)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -99,7 +168,7 @@ def test_error_falls_with_kv_bytes_and_ranks_follow_the_budget(tiny_dirs):
     errs, sizes = [], []
     for budget in (0.05, 0.12, 0.25):
         model = load(tiny_dirs["qwen3"], kv_bytes=budget, bits=4, group=8, window=0)
-        latents = [m.latent_size for m in model.modules() if isinstance(m, LatentKVLinear)]
+        latents = [m.latent_size for m in LATENT_KEYS(model)]
         # each latent value costs 4/8 + 3/8 bytes a token, a dense bf16 one 2: 32 dims of k and v a layer
         assert sum(latents) * (0.5 + 3 / 8) <= budget * 2 * 32 * 2 * 3 + 1e-9
         sizes.append(sum(latents))
@@ -111,8 +180,8 @@ def test_whitened_fit_minimises_the_output_error_on_the_calibration_inputs(tiny_
     """whiten=True: the recorded whitened error is the first projection's output error on the calibration inputs
     (ids of four tokens of the vocabulary here), far below the plain SVD's there; the model stays closer too."""
     calib = torch.randint(0, 4, (8, 32), generator=torch.Generator().manual_seed(7))
-    plain = load(tiny_dirs["llama"], rank=3, bits=16)
-    white = load(tiny_dirs["llama"], rank=3, bits=16, whiten=True, calibration=calib, metric="output")
+    plain = load(tiny_dirs["llama"], rank=3, bits=16, keys="latent")
+    white = load(tiny_dirs["llama"], rank=3, bits=16, whiten=True, calibration=calib, metric="output", keys="latent")
     ref = dense(tiny_dirs["llama"])
     stats = white.config.quantization_config.stats["modules"]
     assert all(0 < s["whitened_error"] < 1 for s in stats.values())
@@ -131,14 +200,16 @@ def test_whitened_fit_minimises_the_output_error_on_the_calibration_inputs(tiny_
 # bytes
 # --------------------------------------------------------------------------------------------------------------
 
-def test_nbytes_is_what_the_cache_holds(tiny_dirs):
-    model = load(tiny_dirs["llama"], rank=4, bits=4, group=8, window=0, sink=0)
+@pytest.mark.parametrize("keys", ["rotated", "latent"])
+def test_nbytes_is_what_the_cache_holds(tiny_dirs, keys):
+    model = load(tiny_dirs["llama"], rank=4, bits=4, group=8, window=0, sink=0, keys=keys)
     ids = long_ids(n=33, batch=1)
     _, cache = decode_logits(model, ids, 17)
     # 3 layers x (k + v): 32 tokens as 4 groups of 8, 4 channels: codes 4 x 4 x 8 / 2, scales 2 and zeros 1 a channel
     # and group; the 33rd token's latents in float16 (4 + 4 numbers a layer; the model is float32); positions int32
+    # where keys are rebuilt and rotated later (keys="latent")
     per_stream = 4 * 4 * 8 // 2 + 4 * 4 * 3 + 1 * 4 * 2
-    assert cache.nbytes() == 3 * 2 * per_stream + 33 * 4
+    assert cache.nbytes() == 3 * 2 * per_stream + (33 * 4 if keys == "latent" else 0)
     assert dense_cache_bytes(model.config, 33) == 3 * 2 * 2 * 8 * 33 * 2
 
 
@@ -205,8 +276,8 @@ def test_save_reload_uses_latent_cache_without_arguments(tiny_dirs, tmp_path):
     model.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert again.config._attn_implementation == "latent_kv"
-    assert [m.ranks for m in again.modules() if isinstance(m, LatentKVLinear)] == \
-        [m.ranks for m in model.modules() if isinstance(m, LatentKVLinear)]
+    assert [m.ranks for m in LATENT_KEYS(again)] == [m.ranks for m in LATENT_KEYS(model)]
+    assert isinstance(again.model.layers[0].self_attn.k_proj, LatentKeyLinear)
     after, cache = decode_logits(again, ids, 5)
     assert cache.settings == {"bits": 4, "group": 8, "window": 2, "sink": 16}
     assert torch.equal(after, before)
@@ -224,7 +295,7 @@ def test_combines_with_weight_compression(tiny_dirs, tmp_path):
     ])
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=cfg).eval()
     attn = model.model.layers[1].self_attn
-    assert isinstance(attn.q_proj, QuantizedLowRankLinear) and isinstance(attn.k_proj, LatentKVLinear)
+    assert isinstance(attn.q_proj, QuantizedLowRankLinear) and isinstance(attn.v_proj, LatentKVLinear)
     ids = long_ids(n=6)
     out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
     model.save_pretrained(tmp_path)
@@ -259,6 +330,7 @@ def test_a_plain_forward_keeps_working(tiny_dirs):
     ({"bits": 7}, "bits"), ({"bits": 4.0}, "bits"), ({"bits": True}, "bits"),
     ({"group": 12}, "group"), ({"window": -1}, "window"), ({"sink": 1.5}, "sink"), ({"rank": 0}, "rank"),
     ({"rank": 4, "kv_bytes": 0.1}, "rank"), ({"head_groups": 0}, "head_groups"), ({"whiten": "yes"}, "whiten"),
+    ({"keys": "pre"}, "keys"),
     ({"target": 0.5}, "target"),
 ])
 def test_bad_settings_name_the_field(kw, field):

@@ -110,6 +110,9 @@ class Allocation:
     rungs: dict[str, int] = field(default_factory=dict)
     #: what the allocation reports (``config.stats["allocation"]``)
     report: dict[str, Any] = field(default_factory=dict)
+    #: the decoder-layer list while `Method.ladder` prices a layer's modules (for a ladder that reads the modules
+    #: beside the one it prices, as ``Context.layers`` does for `Method.compress`); None otherwise
+    layers: Any = None
 
     def __post_init__(self):
         if self.share is None:

@@ -32,7 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import LatentKVLayer, latent_layers
-from .layer import LatentKVLinear
+from .layer import LatentKeyLinear, LatentKVLinear
 
 NAME = "latent_kv"
 BLOCK = 1024  # tokens whose keys are rebuilt at once while decoding
@@ -54,12 +54,15 @@ def _rope(module: nn.Module, like: torch.Tensor, positions: torch.Tensor):
 def latent_kv_attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask, dropout: float = 0.0,
                         scaling: float | None = None, **kwargs):
     k_proj, v_proj = module.k_proj, module.v_proj
+    rotated = isinstance(k_proj, LatentKeyLinear)
     zk = k_proj.take_latent() if isinstance(k_proj, LatentKVLinear) else None
     zv = v_proj.take_latent() if isinstance(v_proj, LatentKVLinear) else None
     if not isinstance(key, LatentKVLayer):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     layer = key
     new_k, new_v = layer.pending
+    if rotated:  # the latent of the keys as the model rotated them
+        zk = k_proj.latent(new_k.transpose(1, 2).flatten(2))
     if zk is None or zv is None:
         raise ValueError("latent_kv attention: the layer's k_proj / v_proj left no latent (are they LatentKVLinear, and "
                          "called once on this step's input?); allowed: a model compressed with method='latent_kv'")
@@ -69,7 +72,7 @@ def latent_kv_attention(module: nn.Module, query: torch.Tensor, key, value, atte
         positions = torch.arange(layer.seen, layer.seen + q, device=query.device)[None]
     positions = positions.expand(b, -1)
     past = layer.held()
-    layer.add(zk, zv, positions)
+    layer.add(zk, zv, None if rotated else positions)
     if past == 0:
         out = sdpa_attention_forward(module, query, new_k, new_v, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     else:
@@ -78,16 +81,27 @@ def latent_kv_attention(module: nn.Module, query: torch.Tensor, key, value, atte
     return out
 
 
-def _attend(module, layer: LatentKVLayer, query: torch.Tensor, mask, scaling) -> torch.Tensor:
-    """Attention of `query` (b, H, q, d) over every token `layer` holds; returns (b, q, H, d)."""
-    k_proj, v_proj = module.k_proj, module.v_proj
-    b, heads, q, d = query.shape
-    kv_heads = k_proj.out_features // d
-    rep = heads // kv_heads
-    total = layer.held()
+def _score_latent(k_proj: LatentKeyLinear, layer: LatentKVLayer, qg: torch.Tensor, total: int, dtype) -> torch.Tensor:
+    """Scores (b, kv_heads, rep*q, total) of the grouped queries against the key latents taken after RoPE: each
+    query is carried into its group's latent (upᵀ q, R_g numbers) and multiplied with the stored latents."""
+    b, kv_heads, m, d = qg.shape
+    z = layer.k.read(0, total, dtype)  # (b, total, R)
+    slices = k_proj.group_slices()
+    per = kv_heads // len(slices)
+    up = k_proj.up.to(dtype).view(per, d, -1)  # the group's rows, head by head
+    out = []
+    for g, cols in enumerate(slices):
+        ql = torch.matmul(qg[:, g * per:(g + 1) * per], up[:, :, cols])  # (b, per, m, R_g)
+        out.append(torch.matmul(ql.reshape(b, per * m, -1), z[..., cols].transpose(1, 2)).view(b, per, m, total))
+    return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+
+def _score_rebuilt(module, k_proj: LatentKVLinear, layer: LatentKVLayer, qg: torch.Tensor, total: int,
+                   dtype) -> torch.Tensor:
+    """Scores against keys rebuilt from latents taken before RoPE (``keys="latent"``), ``BLOCK`` tokens at a
+    time: up-projection, the module's ``k_norm`` if it has one, RoPE at each token's stored position."""
+    b, kv_heads, m, d = qg.shape
     pos = layer.token_positions()
-    dtype = query.dtype
-    qg = query.reshape(b, kv_heads, rep * q, d)
     scores = []
     for start in range(0, total, BLOCK):
         end = min(start + BLOCK, total)
@@ -97,7 +111,23 @@ def _attend(module, layer: LatentKVLayer, query: torch.Tensor, mask, scaling) ->
         cos, sin = _rope(module, k, pos[:, start:end])
         k = k * cos[:, :, None] + _rotate_half(k) * sin[:, :, None]
         scores.append(torch.matmul(qg, k.permute(0, 2, 3, 1)))
-    s = torch.cat(scores, -1).view(b, heads, q, total) * (scaling if scaling is not None else d ** -0.5)
+    return torch.cat(scores, -1)
+
+
+def _attend(module, layer: LatentKVLayer, query: torch.Tensor, mask, scaling) -> torch.Tensor:
+    """Attention of `query` (b, H, q, d) over every token `layer` holds; returns (b, q, H, d)."""
+    k_proj, v_proj = module.k_proj, module.v_proj
+    b, heads, q, d = query.shape
+    kv_heads = k_proj.out_features // d
+    rep = heads // kv_heads
+    total = layer.held()
+    dtype = query.dtype
+    qg = query.reshape(b, kv_heads, rep * q, d)
+    if isinstance(k_proj, LatentKeyLinear):
+        s = _score_latent(k_proj, layer, qg, total, dtype)
+    else:
+        s = _score_rebuilt(module, k_proj, layer, qg, total, dtype)
+    s = s.view(b, heads, q, total) * (scaling if scaling is not None else d ** -0.5)
     if mask is None:
         if q > 1:  # SDPA left the causal mask out
             causal = torch.ones(q, total, dtype=torch.bool, device=s.device).tril(total - q)

@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 
 from ...decompositions.quantize import BITS, pack, quantize_rtn, unpack
 from ...layout import find_decoder_layers, head_dim
-from .layer import LatentKVLinear
+from .layer import LatentKeyLinear, LatentKVLinear
 
 
 class _Positions:
@@ -180,11 +180,13 @@ class LatentKVLayer(CacheLayerMixin):
         self.pending = (key_states, value_states)
         return self, self
 
-    def add(self, zk: torch.Tensor, zv: torch.Tensor, position_ids: torch.Tensor) -> None:
-        """Store the latents of the tokens `update` announced (called by the attention)."""
+    def add(self, zk: torch.Tensor, zv: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+        """Store the latents of the tokens `update` announced (called by the attention); their positions too
+        where the keys are rebuilt and rotated later (None: keys latent after RoPE, no position needed)."""
         self.pending = None
         self.seen += zk.shape[1]
-        self.positions.extend(self.seen, position_ids)
+        if position_ids is not None:
+            self.positions.extend(self.seen, position_ids)
         self.k.append(zk)
         self.v.append(zv)
 
@@ -314,7 +316,7 @@ def latent_layers(model: nn.Module) -> dict[int, nn.Module]:
     out = {}
     for i, layer in enumerate(layer_list):
         attn = getattr(layer, "self_attn", None)
-        if attn is not None and isinstance(getattr(attn, "k_proj", None), LatentKVLinear) \
+        if attn is not None and isinstance(getattr(attn, "k_proj", None), (LatentKVLinear, LatentKeyLinear)) \
                 and isinstance(getattr(attn, "v_proj", None), LatentKVLinear):
             out[i] = attn
     return out

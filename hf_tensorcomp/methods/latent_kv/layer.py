@@ -96,3 +96,77 @@ class LatentKVLinear(FactorizedModule):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.ranks}"
+
+
+@register_layer
+class LatentKeyLinear(FactorizedModule):
+    """A key projection kept dense, with a calibrated basis that takes its keys *after RoPE* to a latent.
+
+    ``keys="rotated"`` (the default): the forward is the dense ``nn.Linear`` (so the model normalises and rotates
+    its keys as before); the attention then stores z = down k_rot (per group of KV heads: ``down[cols_g]`` on the
+    group's rows of the rotated key) and scores the queries against z directly: q · k_rot ≈ (upᵀ q) · z, so no key
+    is ever rebuilt. ``up`` (out_g x R) holds each group's way back side by side, as `LatentKVLinear` does; at
+    full rank down and up are inverse to each other and the scores exact up to float rounding.
+    """
+
+    layer_type = "latent_kv_key"
+    spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "ranks": "ints>=1", "bias": "bool"}
+
+    def __init__(self, in_features: int, out_features: int, ranks: list[int], bias: bool = False, dtype=None,
+                 device=None):
+        super().__init__()
+        groups = len(ranks)
+        if not ranks or out_features % groups or any(r > out_features // groups for r in ranks):
+            raise ValueError(f"LatentKeyLinear.ranks: got {ranks!r} for {out_features} outputs; allowed: one rank per "
+                             "group of heads, the groups dividing the outputs evenly, each rank at most its group's rows")
+        self.in_features, self.out_features, self.ranks = in_features, out_features, list(ranks)
+        self.group_out = out_features // groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self.down = nn.Parameter(torch.empty(sum(ranks), self.group_out, dtype=dtype, device=device))
+        self.up = nn.Parameter(torch.empty(self.group_out, sum(ranks), dtype=dtype, device=device))
+
+    latent_size = LatentKVLinear.latent_size
+    group_slices = LatentKVLinear.group_slices
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, ups: list[torch.Tensor],
+              downs: list[torch.Tensor], dtype):
+        """From the dense projection and each group's up (out_g x r_g) and down (r_g x out_g) of the rotated keys."""
+        m = cls(weight.shape[1], weight.shape[0], [u.shape[1] for u in ups], bias=bias is not None, dtype=dtype,
+                device=weight.device)
+        with torch.no_grad():
+            m.weight.copy_(weight.to(dtype))
+            if bias is not None:
+                m.bias.copy_(bias.to(dtype))
+            m.down.copy_(torch.cat(downs).to(dtype))
+            m.up.copy_(torch.cat(ups, 1).to(dtype))
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def latent(self, k: torch.Tensor) -> torch.Tensor:
+        """Latents (..., R) of rotated keys k (..., out) (the heads side by side, as the projection gives them)."""
+        if len(self.ranks) == 1:
+            return F.linear(k, self.down)
+        rows = k.split(self.group_out, -1)
+        return torch.cat([F.linear(kg, self.down[s]) for kg, s in zip(rows, self.group_slices())], -1)
+
+    def expand(self, z: torch.Tensor) -> torch.Tensor:
+        """The rotated keys (..., out) the latents z (..., R) stand for."""
+        return torch.cat([F.linear(z[..., s], self.up[:, s]) for s in self.group_slices()], -1)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def spec(self) -> dict:
+        return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
+                "ranks": list(self.ranks), "bias": self.bias is not None}
+
+    @classmethod
+    def from_spec(cls, spec: dict, dtype=None, root=None) -> "LatentKeyLinear":
+        return cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.ranks} (after RoPE)"

@@ -26,13 +26,60 @@ import torch
 from ...decompositions import relative_error
 from ...decompositions.svd import output_basis, whitening_factor
 from ...validation import fail, is_int, is_number, resolve_rank
-from ..base import Allocation, Method, register_method, spec_fail
+from ..base import Allocation, Context, Method, register_method, spec_fail
 from ...layout import head_dim as _head_dim
 from .cache import CACHE_DEFAULTS, _check_settings
-from .layer import LatentKVLinear
+from .layer import LatentKeyLinear, LatentKVLinear
 
 DEFAULT_KV_BYTES = 0.25
 METRICS = ("attention", "output")
+KEYS = ("rotated", "latent")
+ROPE_SPAN = 4096  # positions over which a rotated key's covariance is averaged (the contexts the cache is for)
+
+
+def rope_tables(config, layer_type: str | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (length, head_dim) of the model's own rotary embedding at positions 0..length-1 (its class in
+    transformers, built from the config: the fit runs before, and apart from, the model's own module)."""
+    import importlib
+    import inspect
+
+    kind = config.model_type
+    for name in (kind, kind.rpartition("_")[0]):
+        try:
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except (ImportError, ValueError):
+            continue
+        found = [c for n, c in vars(module).items() if n.endswith("RotaryEmbedding") and isinstance(c, type)
+                 and c.__module__ == module.__name__]
+        if found:
+            rotary = found[0](config)
+            pos = torch.arange(length)[None]
+            x = torch.zeros(1, dtype=torch.float32)
+            takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+            cos, sin = rotary(x, pos, layer_type) if takes_type else rotary(x, pos)
+            return cos[0].double(), sin[0].double()
+    fail("keys", "rotated", f"'latent' for a model whose rotary embedding is not found in transformers (model_type "
+         f"{kind!r})")
+
+
+def rotation_average(m: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """E_t[R_t M R_tᵀ] for the covariance M (n x n, heads of head_dim side by side) of keys before RoPE, R_t the
+    rotation at position t (cos, sin: (positions, head_dim)): the covariance of the same keys after RoPE, if
+    their positions are spread evenly over the table's. R_t = diag(c_t) + diag(s_t) J (J: rotate_half), so the
+    average is four Hadamard products with E[c cᵀ], E[c sᵀ], E[s cᵀ], E[s sᵀ]."""
+    d = cos.shape[1]
+    reps = m.shape[0] // d
+    c, s = cos.repeat(1, reps), sin.repeat(1, reps)
+    half = torch.arange(m.shape[0]).view(reps, 2, d // 2)
+    src = half.flip(1).reshape(-1)  # (J x)_i = ∓ x_src(i)
+    sign = torch.ones(m.shape[0], dtype=m.dtype).view(reps, 2, d // 2)
+    sign[:, 0] = -1
+    sign = sign.reshape(-1)
+    jm = sign[:, None] * m[src]  # J M
+    mj = m[:, src] * sign[None]  # M Jᵀ
+    jmj = sign[:, None] * mj[src]  # J M Jᵀ
+    n = cos.shape[0]
+    return ((c.T @ c) * m + (c.T @ s) * mj + (s.T @ c) * jm + (s.T @ s) * jmj) / n
 
 
 def _dense(module) -> torch.Tensor:
@@ -52,11 +99,12 @@ class LatentKV(Method):
     name = "latent_kv"
     default_targets = ("self_attn.k_proj", "self_attn.v_proj")
     default_rank = None
-    layer_types = ("latent_kv",)
+    layer_types = ("latent_kv", "latent_kv_key")
     remedy = "a larger rank or kv_bytes"
     option_defaults = {"kv_bytes": None, **CACHE_DEFAULTS, "head_groups": None,
                        "whiten": True, "damping": 1e-4, "metric": "attention",
-                       "key_weight": 1.0}
+                       "key_weight": 1.0, "keys": "rotated"}
+    saved_defaults = {"keys": "latent"}  # checkpoints from before the option took the key latent before RoPE
 
     def validate_options(self, options):
         o = super().validate_options(options)
@@ -75,6 +123,9 @@ class LatentKV(Method):
         if not is_number(o["key_weight"]) or not 0 < o["key_weight"] <= 100:
             fail("key_weight", o["key_weight"], "a number in (0, 100]: how much a key's relative error counts in the "
                  "kv_bytes allocation against a value's")
+        if o["keys"] not in KEYS:
+            fail("keys", o["keys"], "'rotated' (the key latent taken after RoPE: queries are scored against it, no key "
+                 "rebuilt) | 'latent' (a latent k_proj before RoPE: keys rebuilt and rotated at every step)")
         if o["metric"] not in METRICS:
             fail("metric", o["metric"], " | ".join(map(repr, METRICS)) + " (the error each fit minimises: what the "
                  "attention reads, or the projection's own output)")
@@ -156,6 +207,44 @@ class LatentKV(Method):
         w = module.weight.detach().float()
         return [output_basis(wg, s, None if metrics is None else metrics[g]) for g, wg in enumerate(w.chunk(groups, 0))]
 
+    def _key_basis(self, name, module, stats, entry, groups: int, config, layers, metrics=None):
+        """``keys="rotated"``: per group of rows, (U, σ) of the keys' covariance after RoPE (the whitened output
+        covariance W G Wᵀ, scaled by the module's k_norm weights if it has one, averaged over the rotations of
+        `ROPE_SPAN` positions; `rotation_average`), weighted by `metrics`; float64."""
+        w = module.weight.detach().double() if isinstance(module, torch.nn.Linear) else _dense(module)
+        if entry.options["whiten"]:
+            if stats is None or stats.gram is None:
+                raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration= "
+                                 "or whiten=False")
+            sf = whitening_factor(stats.gram, entry.options["damping"]).double()
+            ws = w @ sf
+        else:
+            ws = w
+        m = ws @ ws.T
+        norm = None if layers is None else getattr(layers[int(name.partition(".")[0])].self_attn, "k_norm", None)
+        if norm is not None:  # RMSNorm per head: its weights scale the channels (the 1/rms a common factor)
+            d = _head_dim(config)
+            with torch.no_grad():
+                g = norm(torch.ones(1, d, dtype=next(norm.parameters()).dtype)).double().reshape(-1)
+            g = g.repeat(m.shape[0] // d)
+            m = g[:, None] * m * g[None]
+        types = getattr(config, "layer_types", None)
+        layer_type = types[int(name.partition(".")[0])] if types else None
+        cos, sin = rope_tables(config, layer_type, ROPE_SPAN)
+        m = rotation_average(m, cos, sin)
+        out, rows = [], m.shape[0] // groups
+        for g in range(groups):
+            mg = m[g * rows:(g + 1) * rows, g * rows:(g + 1) * rows]
+            if metrics is not None:
+                a = metrics[g].double()
+                mg = a[:, None] * mg * a[None]
+            lam, u = torch.linalg.eigh((mg + mg.T) / 2)
+            out.append((u.flip(1), lam.flip(0).clamp_min(0).sqrt()))
+        return out
+
+    def _rotated(self, name, entry) -> bool:
+        return entry.options["keys"] == "rotated" and name.endswith("k_proj")
+
     def _metrics(self, name, lin, stats, entry, ctx, groups: int):
         """``metric="attention"``: per group, the weights of its output error by what reads it. A key's error counts
         by the energy of the queries scored against it, per channel (E q² on the calibration inputs, summed over
@@ -189,7 +278,11 @@ class LatentKV(Method):
 
     def ladder(self, name, module, stats, entry, alloc):
         groups = self._groups(entry, self._config)
-        spectra = [sv.pow(2) for _, sv in self._basis(module, stats, entry, groups)]
+        ctx = Context(config=self._config, prefix="", n_layers=0, layers=alloc.layers)
+        metrics = self._metrics(name, module, stats, entry, ctx, groups)
+        bases = self._key_basis(name, module, stats, entry, groups, self._config, alloc.layers, metrics) \
+            if self._rotated(name, entry) else self._basis(module, stats, entry, groups, metrics)
+        spectra = [sv.pow(2) for _, sv in bases]
         total = float(sum(float(p.sum()) for p in spectra)) or 1.0
         if name.endswith("k_proj"):
             total /= entry.options["key_weight"]
@@ -214,13 +307,27 @@ class LatentKV(Method):
         for name, lin in modules.items():
             stats = (ctx.stats or {}).get(name)
             metrics = self._metrics(name, lin, stats, entry, ctx, groups)
-            bases = self._basis(lin, stats, entry, groups, metrics)
+            rotated = self._rotated(name, entry)
+            bases = self._key_basis(name, lin, stats, entry, groups, ctx.config, ctx.layers, metrics) if rotated \
+                else self._basis(lin, stats, entry, groups, metrics)
             if ctx.allocation is not None:
                 ranks = ctx.allocation.settings[name][ctx.allocation.rungs[name]]
             else:
                 ranks = [resolve_rank(entry.rank, u.shape[1]) for u, _ in bases]
             w = lin.weight.detach().float()
             ups, downs = [], []
+            if rotated:  # the rotated keys' own basis: down = U_rᵀ A, up = A⁻¹ U_r (A: the query metric)
+                for g, ((u, _), r) in enumerate(zip(bases, ranks)):
+                    a = torch.ones(u.shape[0], dtype=torch.float64) if metrics is None else metrics[g].double()
+                    ups.append((u[:, :r] / a[:, None]).float())
+                    downs.append((u[:, :r] * a[:, None]).T.float())
+                bias = None if lin.bias is None else lin.bias.detach()
+                new = LatentKeyLinear.build(lin.weight.detach(), bias, ups, downs, lin.weight.dtype)
+                kept = sum(float(sv[:r].pow(2).sum()) for (_, sv), r in zip(bases, ranks))
+                energy = sum(float(sv.pow(2).sum()) for _, sv in bases) or 1.0
+                out[name] = (new, {**self._report(bases, ranks, entry, lin),  # the rotated keys' error: the weight is kept
+                                   "rel_error": round(max(1 - kept / energy, 0.0) ** 0.5, 6)})
+                continue
             for g, ((u, _), r, wg) in enumerate(zip(bases, ranks, w.chunk(groups, 0))):
                 u = u[:, :r]
                 a = None if metrics is None else metrics[g].double()
@@ -235,14 +342,18 @@ class LatentKV(Method):
                 downs.append(down.float())
             bias = None if lin.bias is None else lin.bias.detach()
             new = LatentKVLinear.build(ups, downs, bias, lin.weight.dtype)
-            kept = sum(float(sv[:r].pow(2).sum()) for (_, sv), r in zip(bases, ranks))
-            energy = sum(float(sv.pow(2).sum()) for _, sv in bases) or 1.0
-            out[name] = (new, {"ranks": ranks, "rank": sum(ranks),
-                               "rel_error": relative_error(w, new.dense_weight().detach().float()),
-                               **({"whitened_error": round(max(1 - kept / energy, 0.0) ** 0.5, 6)}
-                                  if entry.options["whiten"] else {}),
-                               "kv_fraction": round(sum(ranks) * value_bytes(entry.options) / (2 * lin.out_features), 6)})
+            out[name] = (new, {**self._report(bases, ranks, entry, lin),
+                               "rel_error": relative_error(w, new.dense_weight().detach().float())})
         return out
+
+    @staticmethod
+    def _report(bases, ranks, entry, lin) -> dict:
+        """Ranks, the share of the (whitened; rotated keys: after RoPE) output energy dropped, the bytes' share."""
+        kept = sum(float(sv[:r].pow(2).sum()) for (_, sv), r in zip(bases, ranks))
+        energy = sum(float(sv.pow(2).sum()) for _, sv in bases) or 1.0
+        return {"ranks": ranks, "rank": sum(ranks),
+                **({"whitened_error": round(max(1 - kept / energy, 0.0) ** 0.5, 6)} if entry.options["whiten"] else {}),
+                "kv_fraction": round(sum(ranks) * value_bytes(entry.options) / (2 * lin.out_features), 6)}
 
     def finish(self, model, entry, ctx, runner):
         from .attention import enable
