@@ -66,6 +66,7 @@ from hf_tensorcomp import EinSortCache, TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.assets import load_text, model_path  # noqa: E402
 from hf_tensorcomp.assets.pypi import download_sdist  # noqa: E402
 from hf_tensorcomp.methods.latent_kv import LatentKVCache, LatentKVLinear, dense_cache_bytes  # noqa: E402
+from hf_tensorcomp.methods.latent_kv.layer import LatentKeyLinear  # noqa: E402
 
 KIVI = {"kind": "einsort", "rank": 0, "sort": None, "nonnegative": False}
 DEFAULTS = {
@@ -191,7 +192,7 @@ class Rows:
         t0 = time.perf_counter()
         qc = TensorCompressionConfig(method="latent_kv", progress=False, **spec)
         m = AutoModelForCausalLM.from_pretrained(self.path, quantization_config=qc).eval()
-        lin = [mod for mod in m.modules() if isinstance(mod, LatentKVLinear)]
+        lin = [mod for mod in m.modules() if isinstance(mod, (LatentKVLinear, LatentKeyLinear))]
         info = {"compress_s": round(time.perf_counter() - t0, 1), "latent_layers": len(lin) // 2,
                 "latent_dims": sum(mod.latent_size for mod in lin),
                 "attn_implementation": m.config._attn_implementation}

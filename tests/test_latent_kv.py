@@ -361,3 +361,28 @@ def test_bad_cache_settings_name_the_field(tiny_dirs):
         LatentKVCache(model, bits=1)
     with pytest.raises(ValueError, match=r"\bgroup\b.*allowed"):
         LatentKVCache(model, group=10)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_attention_on_codes_equals_attention_on_dequantized_latents(bits):
+    """The decode attention multiplies the codes as they are (scales and zero points folded into the query and
+    the sums); the result is the product with the de-quantized latents `read` gives, sink and window included."""
+    from hf_tensorcomp.methods.latent_kv.cache import LatentKVLayer, _Positions
+
+    gen = torch.Generator().manual_seed(0)
+    layer = LatentKVLayer(_Positions(), bits=bits, group=8, window=3, sink=2)
+    layer.lazy_initialization(torch.zeros(1), None)
+    for n in (5, 1, 17, 1, 9):
+        layer.add(torch.randn(2, n, 6, generator=gen), torch.randn(2, n, 6, generator=gen), None)
+    total = layer.held()
+    assert layer.v.n_quantized == 24 and layer.v.n_head == 2
+    k_proj = LatentKeyLinear(4, 8, [3, 3])  # 2 KV heads of 4 dims, a latent of 3 each
+    torch.nn.init.normal_(k_proj.up, generator=gen)
+    qg = torch.randn(2, 2, 5, 4, generator=gen)
+    got = latent_attention._score_latent(k_proj, layer, qg, total, torch.float32)
+    z = layer.k.read(0, total, torch.float32)
+    keys = k_proj.expand(z).view(2, total, 2, 4).permute(0, 2, 3, 1)  # (b, kvh, d, total)
+    assert torch.allclose(got, torch.matmul(qg, keys), atol=1e-5)
+    w = torch.softmax(torch.randn(2, 2, 5, total, generator=gen), -1)
+    want = torch.matmul(w, layer.v.read(0, total, torch.float32)[:, None])
+    assert torch.allclose(latent_attention._weigh_values(layer, w, torch.float32), want, atol=1e-5)

@@ -83,17 +83,50 @@ def latent_kv_attention(module: nn.Module, query: torch.Tensor, key, value, atte
 
 def _score_latent(k_proj: LatentKeyLinear, layer: LatentKVLayer, qg: torch.Tensor, total: int, dtype) -> torch.Tensor:
     """Scores (b, kv_heads, rep*q, total) of the grouped queries against the key latents taken after RoPE: each
-    query is carried into its group's latent (upᵀ q, R_g numbers) and multiplied with the stored latents."""
+    query is carried into its group's latent (upᵀ q, R_g numbers) and multiplied with the stored latents; on the
+    quantized groups the scales go into the query and the codes are multiplied as they are (q·(c - z)s =
+    (q s)·c - (q s)·z), so no latent is de-quantized into a copy."""
     b, kv_heads, m, d = qg.shape
-    z = layer.k.read(0, total, dtype)  # (b, total, R)
     slices = k_proj.group_slices()
     per = kv_heads // len(slices)
     up = k_proj.up.to(dtype).view(per, d, -1)  # the group's rows, head by head
+    pieces = layer.k.pieces(dtype)
     out = []
     for g, cols in enumerate(slices):
-        ql = torch.matmul(qg[:, g * per:(g + 1) * per], up[:, :, cols])  # (b, per, m, R_g)
-        out.append(torch.matmul(ql.reshape(b, per * m, -1), z[..., cols].transpose(1, 2)).view(b, per, m, total))
+        ql = torch.matmul(qg[:, g * per:(g + 1) * per], up[:, :, cols]).reshape(b, per * m, -1)  # (b, M, R_g)
+        parts = []
+        for piece in pieces:
+            if piece[0] == "dense":
+                parts.append(torch.matmul(ql, piece[1][..., cols].transpose(1, 2)))
+                continue
+            _, c, scale, zero = piece
+            qs = ql[:, None] * scale[:, :, None, cols]  # (b, n, M, R_g)
+            sc = torch.matmul(qs, c[:, :, cols]) - (qs * zero[:, :, None, cols]).sum(-1, keepdim=True)
+            parts.append(sc.transpose(1, 2).reshape(b, per * m, -1))
+        out.append((parts[0] if len(parts) == 1 else torch.cat(parts, -1)).view(b, per, m, total))
     return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+
+def _weigh_values(layer: LatentKVLayer, w: torch.Tensor, dtype) -> torch.Tensor:
+    """Σ_t w_t z_t over the value latents held: w (b, kvh, M, total) -> (b, kvh, M, R_v); on quantized groups
+    the codes are multiplied as they are and the scales and zero points applied to the sums."""
+    b, kvh, m, total = w.shape
+    w = w.reshape(b, kvh * m, total)
+    y, start = None, 0
+    for piece in layer.v.pieces(dtype):
+        if piece[0] == "dense":
+            z = piece[1]
+            part = torch.matmul(w[..., start:start + z.shape[1]], z)
+            start += z.shape[1]
+        else:
+            _, c, scale, zero = piece
+            n, group = c.shape[1], c.shape[3]
+            wn = w[..., start:start + n * group].reshape(b, kvh * m, n, group).transpose(1, 2)  # (b, n, M, group)
+            start += n * group
+            part = (torch.matmul(wn, c.transpose(2, 3)) * scale[:, :, None]).sum(1) \
+                - torch.matmul(wn.sum(-1).transpose(1, 2), zero * scale)  # (b, M, R)
+        y = part if y is None else y + part
+    return y.view(b, kvh, m, -1)
 
 
 def _score_rebuilt(module, k_proj: LatentKVLinear, layer: LatentKVLayer, qg: torch.Tensor, total: int,
@@ -137,11 +170,7 @@ def _attend(module, layer: LatentKVLayer, query: torch.Tensor, mask, scaling) ->
     else:
         s = s + mask[..., -total:]
     w = torch.softmax(s.float(), -1).nan_to_num(0.0).to(dtype).view(b, kv_heads, rep * q, total)
-    y = None
-    for start in range(0, total, BLOCK):
-        end = min(start + BLOCK, total)
-        part = torch.matmul(w[..., start:end], layer.v.read(start, end, dtype)[:, None])  # (b, kvh, rep*q, R_v)
-        y = part if y is None else y + part
+    y = _weigh_values(layer, w, dtype)  # (b, kvh, rep*q, R_v)
     up = v_proj.weight  # (out_g, R_v)
     per_group, slices = v_proj.group_out // d, v_proj.group_slices()
     outs = []

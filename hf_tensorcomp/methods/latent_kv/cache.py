@@ -45,6 +45,16 @@ class _Positions:
         return 0 if self.ids is None else self.ids.numel() * self.ids.element_size()
 
 
+def _unpack_groups(codes: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Codes (b, n, R, group * bits / 8) packed by `pack` back to (b, n, R, group) uint8: shifts on the bytes
+    themselves for the widths that divide a byte (the common case, on every step of every layer), else `unpack`."""
+    b, n, r, _ = codes.shape
+    if 8 % bits:
+        return unpack(codes.reshape(-1), bits)[: b * n * r * group].view(b, n, r, group)
+    per, mask = 8 // bits, 2**bits - 1
+    return torch.stack([(codes >> (i * bits)) & mask for i in range(per)], -1).view(b, n, r, group)
+
+
 class _Latents:
     """One stream of latents (the keys' or the values'): the first `sink` tokens in 16 bits, quantized groups of
     tokens, then a 16-bit tail (the window)."""
@@ -114,6 +124,21 @@ class _Latents:
         if end > nq:
             parts.append(self.tail[:, max(start - nq, 0): end - nq].to(dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+    def pieces(self, dtype) -> list[tuple]:
+        """Everything held, oldest first, in the form the attention multiplies without a dense copy of the
+        latents: ``("dense", z)`` (b, t, R) for the 16-bit head and tail, ``("codes", c, scale, zero)`` for the
+        quantized groups — c (b, n, R, group) the codes as numbers, scale and zero (b, n, R), z ≈ (c - zero) · scale."""
+        out = []
+        if self.head is not None:
+            out.append(("dense", self.head.to(dtype)))
+        if self.codes is not None:
+            b, n, r, _ = self.codes.shape
+            out.append(("codes", _unpack_groups(self.codes, self.bits, self.group).to(dtype),
+                        self.scale.to(dtype), self.zero.to(dtype)))
+        if self.tail is not None and self.tail.shape[1]:
+            out.append(("dense", self.tail.to(dtype)))
+        return out
 
     def drop(self, tokens: int) -> int:
         """Forget up to `tokens` of the oldest tokens, in whole pieces (the head, quantized groups; unquantized:
