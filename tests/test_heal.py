@@ -484,7 +484,11 @@ def test_inverse_cdf_sampler_draws_the_softmax_distribution():
 
 # ---------------------------------------------------------------- issue 84: interrupted, self-taught or ill-fed healing
 _INTERRUPTED = r'''
-import json, sys, time
+import json, signal, sys, time
+# Ctrl-C raises KeyboardInterrupt here as in a terminal, also where this process inherited SIGINT ignored (pytest
+# started as a background job of a non-interactive shell, `nohup pytest &`: POSIX has SIGINT ignored there, and
+# Python installs no handler for a signal it starts with ignored; the SIGINT was then lost and healing ran on)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
 from transformers import AutoModelForCausalLM
 import hf_tensorcomp
@@ -527,9 +531,11 @@ def test_an_interrupted_heal_leaves_the_model_exactly_as_it_came(tiny_dirs, tmp_
     factors and norms end to end, and layer by layer — leaves every tensor of the model as it came, bit for bit
     (was: 33 / 47 tensors changed, LASER's norms trained, no stats['heal']: it saved as if never healed)."""
     import json
+    import queue
     import signal
     import subprocess
     import sys
+    import threading
 
     cases = [["qlr-all", {"method": "qlr", "rank": 4, "group_size": 16}, {"train": "all", "steps": 100000}],
              ["laser-pivoted", {"method": "laser", "rank": 4, "pivoted": True}, {"steps": 100000}],
@@ -538,16 +544,52 @@ def test_an_interrupted_heal_leaves_the_model_exactly_as_it_came(tiny_dirs, tmp_
     script.write_text(_INTERRUPTED)
     child = subprocess.Popen([sys.executable, str(script), str(tiny_dirs["llama"]), json.dumps(cases)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # both pipes read by threads (stderr too: a full pipe would block the child), every wait bounded: a child that
+    # does not answer fails the test, killed, with what it wrote — it does not hang the suite
+    lines, out, err = queue.Queue(), [], []
+    readers = [threading.Thread(target=lambda: [*map(lines.put, child.stdout), lines.put(None)], daemon=True),
+               threading.Thread(target=lambda: err.extend(child.stderr), daemon=True)]
+    for t in readers:
+        t.start()
+
+    def failed(why):
+        child.kill()
+        child.wait()
+        for t in readers:
+            t.join(timeout=10)
+        pytest.fail(f"the child {why}; exit code {child.returncode}; its stdout: {''.join(out)!r}; the end of its "
+                    f"stderr:\n{''.join(err)[-4000:]}", pytrace=False)
+
+    def next_line(what, timeout):
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            line = False
+        if line is False:
+            failed(f"wrote no {what} within {timeout} s")
+        if line is None:
+            failed(f"closed its stdout (exited) before writing {what}")
+        out.append(line)
+        return line
+
     results = []
     try:
         for name, _, _ in cases:
-            line = child.stdout.readline()
-            assert line.split() == ["training", name], (line, child.stderr.read() if not line else "")
-            child.send_signal(signal.SIGINT)
-            results.append(json.loads(child.stdout.readline()))
-        assert child.wait(timeout=120) == 0, child.stderr.read()
+            line = next_line(f"'training {name}'", 300)  # the first: after importing torch and compressing
+            assert line.split() == ["training", name], (line, "".join(err)[-4000:])
+            child.send_signal(signal.SIGINT)  # once: mid-training, inside heal (the line is written at step 3)
+            results.append(json.loads(next_line(f"result for {name} after SIGINT", 120)))
+        try:
+            child.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            failed("did not exit within 120 s of its last result")
+        for t in readers:
+            t.join(timeout=10)
+        assert child.returncode == 0, "".join(err)[-4000:]
     finally:
-        child.kill()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
     for r in results:
         assert r["interrupted"] and r["steps"] >= 3, r
         assert r["changed"] == [] and r["keys"] and not r["healed"], r
