@@ -386,3 +386,57 @@ def test_attention_on_codes_equals_attention_on_dequantized_latents(bits):
     w = torch.softmax(torch.randn(2, 2, 5, total, generator=gen), -1)
     want = torch.matmul(w, layer.v.read(0, total, torch.float32)[:, None])
     assert torch.allclose(latent_attention._weigh_values(layer, w, torch.float32), want, atol=1e-5)
+
+
+def test_mixed_bits_give_each_channel_its_width_and_reload(tiny_dirs, tmp_path):
+    """bits="mixed": every latent column gets 2, 3, 4 or 8 bits from the kv_bytes allocation, falling along each
+    group's channels (the energy falls along them); the cache keeps one run of codes per width; the error falls
+    as the budget grows; the widths come back on reload and the logits are equal."""
+    ids, ref = long_ids(n=48), dense(tiny_dirs["qwen3"])
+    want, _ = decode_logits(ref, ids, 5)
+    errs = []
+    for budget in (0.08, 0.15, 0.3):
+        model = load(tiny_dirs["qwen3"], kv_bytes=budget, bits="mixed", group=8, window=0, sink=0)
+        mods = LATENT_KEYS(model)
+        spent = 0.0
+        for m in mods:
+            assert m.column_bits is not None and len(m.column_bits) == m.latent_size
+            assert set(m.column_bits) <= {2, 3, 4, 8}
+            for cols in m.group_slices():
+                bits = m.column_bits[cols]
+                assert bits == sorted(bits, reverse=True)
+            spent += sum(b / 8 + 3 / 8 for b in m.column_bits)
+        assert spent <= budget * 2 * 32 * 2 * 3 + 1e-9  # 3 layers x (k, v) x 32 dims x 2 bytes
+        got, cache = decode_logits(model, ids, 5)
+        layer = cache.layers[0]
+        k_bits = model.model.layers[0].self_attn.k_proj.column_bits
+        assert [lat.bits for _, _, lat in layer.k.runs] == [b for i, b in enumerate(k_bits) if i == 0 or k_bits[i - 1] != b]
+        errs.append(rel(got, want))
+    assert errs[0] > errs[1] > errs[2], errs
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert [m.column_bits for m in LATENT_KEYS(again)] == [m.column_bits for m in mods]
+    assert torch.equal(decode_logits(again, ids, 5)[0], got)
+
+
+def test_mixed_bits_ladder_is_transform_coding():
+    """The ladder of bits="mixed" on a known spectrum: energies 8, 4, 1, 0.01 of one group; its first rung keeps the
+    first channel at 2 bits; each later rung widens one channel by the loss it saves per byte; the loss falls to
+    the 8-bit noise of every channel."""
+    from types import SimpleNamespace
+
+    from hf_tensorcomp.methods.base import Allocation
+    from hf_tensorcomp.methods.latent_kv.method import LatentKV, quantization_noise
+
+    spectrum = torch.tensor([8.0, 4.0, 1.0, 0.01], dtype=torch.float64)
+    entry = SimpleNamespace(options={"bits": "mixed", "group": 64})
+    alloc = Allocation(budget=0.2)
+    module = torch.nn.Linear(10, 4)
+    costs, losses = LatentKV()._mixed_ladder("0.self_attn.v_proj", module, [spectrum], float(spectrum.sum()), entry, alloc)
+    rungs = alloc.settings["0.self_attn.v_proj"]
+    assert len(rungs) == len(costs) == len(losses) == 1 + 3 + 4 * 3
+    assert rungs[0] == [[2, 0, 0, 0]] and rungs[len(rungs) - 1] == [[8, 8, 8, 8]]
+    assert all(b > a for a, b in zip(costs, costs[1:])) and all(b < a for a, b in zip(losses, losses[1:]))
+    assert abs(losses[-1] - quantization_noise(8)) < 1e-12
+    for k in range(len(rungs)):  # the bits fall along the channels at every rung
+        assert rungs[k][0] == sorted(rungs[k][0], reverse=True)

@@ -24,6 +24,9 @@ from ...layers.base import FactorizedModule, register_layer
 class LatentKVLinear(FactorizedModule):
     layer_type = "latent_kv"
     spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "ranks": "ints>=1", "bias": "bool"}
+    #: the cache's bits for each latent column (``bits="mixed"``); absent: the entry's ``bits`` for all
+    optional_fields = {"column_bits": "ints>=1"}
+    column_bits: list[int] | None = None
 
     def __init__(self, in_features: int, out_features: int, ranks: list[int], bias: bool = False, dtype=None,
                  device=None):
@@ -88,11 +91,14 @@ class LatentKVLinear(FactorizedModule):
 
     def spec(self) -> dict:
         return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
-                "ranks": list(self.ranks), "bias": self.bias is not None}
+                "ranks": list(self.ranks), "bias": self.bias is not None,
+                **({"column_bits": list(self.column_bits)} if self.column_bits else {})}
 
     @classmethod
     def from_spec(cls, spec: dict, dtype=None, root=None) -> "LatentKVLinear":
-        return cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
+        m = cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
+        m.column_bits = spec.get("column_bits")
+        return m
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.ranks}"
@@ -111,6 +117,9 @@ class LatentKeyLinear(FactorizedModule):
 
     layer_type = "latent_kv_key"
     spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "ranks": "ints>=1", "bias": "bool"}
+    #: the cache's bits for each latent column (``bits="mixed"``); absent: the entry's ``bits`` for all
+    optional_fields = {"column_bits": "ints>=1"}
+    column_bits: list[int] | None = None
 
     def __init__(self, in_features: int, out_features: int, ranks: list[int], bias: bool = False, dtype=None,
                  device=None):
@@ -162,11 +171,14 @@ class LatentKeyLinear(FactorizedModule):
 
     def spec(self) -> dict:
         return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
-                "ranks": list(self.ranks), "bias": self.bias is not None}
+                "ranks": list(self.ranks), "bias": self.bias is not None,
+                **({"column_bits": list(self.column_bits)} if self.column_bits else {})}
 
     @classmethod
     def from_spec(cls, spec: dict, dtype=None, root=None) -> "LatentKeyLinear":
-        return cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
+        m = cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
+        m.column_bits = spec.get("column_bits")
+        return m
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.ranks} (after RoPE)"
