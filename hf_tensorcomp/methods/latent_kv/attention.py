@@ -85,41 +85,26 @@ def _score_latent(k_proj: LatentKeyLinear, layer: LatentKVLayer, qg: torch.Tenso
     """Scores (b, kv_heads, rep*q, total) of the grouped queries against the key latents taken after RoPE: each
     query is carried into its group's latent (upᵀ q, R_g numbers) and multiplied with the stored latents; on the
     quantized groups the scales go into the query and the codes are multiplied as they are (q·(c - z)s =
-    (q s)·c - (q s)·z), so no latent is de-quantized into a copy. Runs of columns at other bits (``bits="mixed"``)
-    add their share of each score."""
+    (q s)·c - (q s)·z), so no latent is de-quantized into a copy."""
     b, kv_heads, m, d = qg.shape
     slices = k_proj.group_slices()
     per = kv_heads // len(slices)
     up = k_proj.up.to(dtype).view(per, d, -1)  # the group's rows, head by head
-    runs = layer.k.pieces(dtype)
+    pieces = layer.k.pieces(dtype)
     out = []
     for g, cols in enumerate(slices):
         ql = torch.matmul(qg[:, g * per:(g + 1) * per], up[:, :, cols]).reshape(b, per * m, -1)  # (b, M, R_g)
-        s = None
-        for a, e, pieces in runs:
-            lo, hi = max(a, cols.start), min(cols.stop if e is None else e, cols.stop)
-            if lo >= hi:
+        parts = []
+        for piece in pieces:
+            if piece[0] == "dense":
+                parts.append(torch.matmul(ql, piece[1][..., cols].transpose(1, 2)))
                 continue
-            qc, pc = ql[..., lo - cols.start:hi - cols.start], slice(lo - a, hi - a)
-            part = _scores_on(qc, pieces, pc)
-            s = part if s is None else s + part
-        out.append(s.view(b, per, m, total))
+            _, c, scale, zero = piece
+            qs = ql[:, None] * scale[:, :, None, cols]  # (b, n, M, R_g)
+            sc = torch.matmul(qs, c[:, :, cols]) - (qs * zero[:, :, None, cols]).sum(-1, keepdim=True)
+            parts.append(sc.transpose(1, 2).reshape(b, per * m, -1))
+        out.append((parts[0] if len(parts) == 1 else torch.cat(parts, -1)).view(b, per, m, total))
     return out[0] if len(out) == 1 else torch.cat(out, 1)
-
-
-def _scores_on(ql: torch.Tensor, pieces: list[tuple], cols: slice) -> torch.Tensor:
-    """ql (b, M, r) times the columns `cols` of every token of one run of latents: (b, M, tokens)."""
-    b, m = ql.shape[:2]
-    parts = []
-    for piece in pieces:
-        if piece[0] == "dense":
-            parts.append(torch.matmul(ql, piece[1][..., cols].transpose(1, 2)))
-            continue
-        _, c, scale, zero = piece
-        qs = ql[:, None] * scale[:, :, None, cols]  # (b, n, M, r)
-        sc = torch.matmul(qs, c[:, :, cols]) - (qs * zero[:, :, None, cols]).sum(-1, keepdim=True)
-        parts.append(sc.transpose(1, 2).reshape(b, m, -1))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
 def _weigh_values(layer: LatentKVLayer, w: torch.Tensor, dtype) -> torch.Tensor:
@@ -127,24 +112,21 @@ def _weigh_values(layer: LatentKVLayer, w: torch.Tensor, dtype) -> torch.Tensor:
     the codes are multiplied as they are and the scales and zero points applied to the sums."""
     b, kvh, m, total = w.shape
     w = w.reshape(b, kvh * m, total)
-    ys = []
-    for _, _, pieces in layer.v.pieces(dtype):
-        y, start = None, 0
-        for piece in pieces:
-            if piece[0] == "dense":
-                z = piece[1]
-                part = torch.matmul(w[..., start:start + z.shape[1]], z)
-                start += z.shape[1]
-            else:
-                _, c, scale, zero = piece
-                n, group = c.shape[1], c.shape[3]
-                wn = w[..., start:start + n * group].reshape(b, kvh * m, n, group).transpose(1, 2)  # (b, n, M, group)
-                start += n * group
-                part = (torch.matmul(wn, c.transpose(2, 3)) * scale[:, :, None]).sum(1) \
-                    - torch.matmul(wn.sum(-1).transpose(1, 2), zero * scale)  # (b, M, R)
-            y = part if y is None else y + part
-        ys.append(y)
-    return (ys[0] if len(ys) == 1 else torch.cat(ys, -1)).view(b, kvh, m, -1)
+    y, start = None, 0
+    for piece in layer.v.pieces(dtype):
+        if piece[0] == "dense":
+            z = piece[1]
+            part = torch.matmul(w[..., start:start + z.shape[1]], z)
+            start += z.shape[1]
+        else:
+            _, c, scale, zero = piece
+            n, group = c.shape[1], c.shape[3]
+            wn = w[..., start:start + n * group].reshape(b, kvh * m, n, group).transpose(1, 2)  # (b, n, M, group)
+            start += n * group
+            part = (torch.matmul(wn, c.transpose(2, 3)) * scale[:, :, None]).sum(1) \
+                - torch.matmul(wn.sum(-1).transpose(1, 2), zero * scale)  # (b, M, R)
+        y = part if y is None else y + part
+    return y.view(b, kvh, m, -1)
 
 
 def _score_rebuilt(module, k_proj: LatentKVLinear, layer: LatentKVLayer, qg: torch.Tensor, total: int,

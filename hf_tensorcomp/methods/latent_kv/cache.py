@@ -172,79 +172,24 @@ class _Latents:
                    if t is not None)
 
 
-class _Stream:
-    """One stream of latents held as runs of columns, each run its own `_Latents` at its own bits (``bits="mixed"``:
-    the latent channels carrying more of the weighted energy get more bits; one run when every column has the
-    same bits). The runs hold the same tokens alike (same group, window and sink), so whole-token operations
-    apply to all of them."""
-
-    def __init__(self, column_bits: list[int] | None, bits: int, group: int, window: int, sink: int):
-        runs, start = [], 0
-        for b, n in _runs(column_bits) if column_bits else [(bits, None)]:
-            runs.append((start, None if n is None else start + n, _Latents(b, group, window, sink)))
-            start += n or 0
-        self.runs = runs
-
-    @property
-    def n_head(self) -> int:
-        return self.runs[0][2].n_head
-
-    @property
-    def n_quantized(self) -> int:
-        return self.runs[0][2].n_quantized
-
-    def append(self, z: torch.Tensor) -> None:
-        for a, e, lat in self.runs:
-            lat.append(z[..., a:e])
-
-    def read(self, start: int, end: int, dtype) -> torch.Tensor:
-        parts = [lat.read(start, end, dtype) for _, _, lat in self.runs]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
-
-    def pieces(self, dtype) -> list[tuple]:
-        """[(first column, end column or None, that run's `_Latents.pieces`)]."""
-        return [(a, e, lat.pieces(dtype)) for a, e, lat in self.runs]
-
-    def drop(self, tokens: int) -> int:
-        return [lat.drop(tokens) for _, _, lat in self.runs][0]
-
-    def select(self, fn) -> None:
-        for _, _, lat in self.runs:
-            lat.select(fn)
-
-    def nbytes(self) -> int:
-        return sum(lat.nbytes() for _, _, lat in self.runs)
-
-
-def _runs(column_bits: list[int]) -> list[tuple[int, int]]:
-    """[(bits, columns)] of consecutive columns with the same bits."""
-    out = []
-    for b in column_bits:
-        if out and out[-1][0] == b:
-            out[-1] = (b, out[-1][1] + 1)
-        else:
-            out.append((b, 1))
-    return out
-
-
 class LatentKVLayer(CacheLayerMixin):
     """One decoder layer's latents (see the module docstring)."""
 
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, positions: _Positions, bits: int | str = 4, group: int = 64, window: int = 64, sink: int = 16,
-                 sliding_window: int | None = None, column_bits: tuple | None = None):
+    def __init__(self, positions: _Positions, bits: int = 4, group: int = 64, window: int = 64, sink: int = 16,
+                 sliding_window: int | None = None):
         super().__init__()
         self.positions, self.bits, self.group, self.window, self.sink = positions, bits, group, window, sink
-        self.column_bits = column_bits or (None, None)  # the keys' and values' bits per latent column (bits="mixed")
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
         self.reset()
 
     def reset(self) -> None:
         self.keys = self.values = None
-        self.k, self.v = (_Stream(cb, self.bits, self.group, self.window, self.sink) for cb in self.column_bits)
+        self.k = _Latents(self.bits, self.group, self.window, self.sink)
+        self.v = _Latents(self.bits, self.group, self.window, self.sink)
         self.offset = 0  # tokens forgotten at the front (sliding-window layers)
         self.seen = 0  # every token ever added
         self.pending = None  # the dense states of the tokens being added, until the attention takes them
@@ -341,12 +286,7 @@ class LatentKVCache(Cache):
         for i, kind in enumerate(types):
             sliding = getattr(cfg, "sliding_window", None) if kind == "sliding_attention" else None
             if i in found:
-                mixed = self.settings["bits"] == "mixed"
-                cb = tuple(getattr(found[i], p).column_bits if mixed else None for p in ("k_proj", "v_proj"))
-                if mixed and None in cb:
-                    raise ValueError("LatentKVCache.bits: got 'mixed' for a model whose latent projections carry no "
-                                     "bits per column; allowed: 2 | 3 | 4 | 5 | 6 | 8 | 16 (or compress with bits='mixed')")
-                layers.append(LatentKVLayer(self.token_positions, sliding_window=sliding, column_bits=cb, **self.settings))
+                layers.append(LatentKVLayer(self.token_positions, sliding_window=sliding, **self.settings))
             elif sliding is not None:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=sliding))
             else:
@@ -421,16 +361,13 @@ def latent_settings(model: nn.Module) -> dict:
 
 
 BITS_ALLOWED = BITS + (16,)  # the quantizer's widths, and 16: no codes
-MIXED_WIDTHS = (2, 3, 4, 8)  # what bits="mixed" gives a latent channel
 
 
 def _check_settings(s: dict) -> None:
     from ...validation import fail, is_int
 
-    if s["bits"] != "mixed" and (type(s["bits"]) is not int or s["bits"] not in BITS_ALLOWED):
-        fail("bits", s["bits"], " | ".join(map(str, BITS_ALLOWED)) + " (bits per latent value; 16: kept in the model's "
-             "dtype) | 'mixed' (bits per latent channel from the kv_bytes allocation: " + ", ".join(map(str, MIXED_WIDTHS))
-             + " or dropped)")
+    if type(s["bits"]) is not int or s["bits"] not in BITS_ALLOWED:
+        fail("bits", s["bits"], " | ".join(map(str, BITS_ALLOWED)) + " (bits per latent value; 16: kept in the model's dtype)")
     if not is_int(s["group"], 8) or s["group"] % 8 or s["group"] > 4096:
         fail("group", s["group"], "a multiple of 8 in [8, 4096] (tokens sharing one scale and zero point per channel)")
     if not is_int(s["window"], 0):

@@ -24,9 +24,6 @@ from ...layers.base import FactorizedModule, register_layer
 class LatentKVLinear(FactorizedModule):
     layer_type = "latent_kv"
     spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "ranks": "ints>=1", "bias": "bool"}
-    #: the cache's bits for each latent column (``bits="mixed"``); absent: the entry's ``bits`` for all
-    optional_fields = {"column_bits": "ints>=1"}
-    column_bits: list[int] | None = None
 
     def __init__(self, in_features: int, out_features: int, ranks: list[int], bias: bool = False, dtype=None,
                  device=None):
@@ -91,14 +88,11 @@ class LatentKVLinear(FactorizedModule):
 
     def spec(self) -> dict:
         return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
-                "ranks": list(self.ranks), "bias": self.bias is not None,
-                **({"column_bits": list(self.column_bits)} if self.column_bits else {})}
+                "ranks": list(self.ranks), "bias": self.bias is not None}
 
     @classmethod
     def from_spec(cls, spec: dict, dtype=None, root=None) -> "LatentKVLinear":
-        m = cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
-        m.column_bits = spec.get("column_bits")
-        return m
+        return cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.ranks}"
@@ -117,9 +111,6 @@ class LatentKeyLinear(FactorizedModule):
 
     layer_type = "latent_kv_key"
     spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "ranks": "ints>=1", "bias": "bool"}
-    #: the cache's bits for each latent column (``bits="mixed"``); absent: the entry's ``bits`` for all
-    optional_fields = {"column_bits": "ints>=1"}
-    column_bits: list[int] | None = None
 
     def __init__(self, in_features: int, out_features: int, ranks: list[int], bias: bool = False, dtype=None,
                  device=None):
@@ -171,14 +162,11 @@ class LatentKeyLinear(FactorizedModule):
 
     def spec(self) -> dict:
         return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
-                "ranks": list(self.ranks), "bias": self.bias is not None,
-                **({"column_bits": list(self.column_bits)} if self.column_bits else {})}
+                "ranks": list(self.ranks), "bias": self.bias is not None}
 
     @classmethod
     def from_spec(cls, spec: dict, dtype=None, root=None) -> "LatentKeyLinear":
-        m = cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
-        m.column_bits = spec.get("column_bits")
-        return m
+        return cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.ranks} (after RoPE)"

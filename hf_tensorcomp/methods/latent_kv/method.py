@@ -28,7 +28,7 @@ from ...decompositions.svd import output_basis, whitening_factor
 from ...validation import fail, is_int, is_number, resolve_rank
 from ..base import Allocation, Context, Method, register_method, spec_fail
 from ...layout import head_dim as _head_dim
-from .cache import CACHE_DEFAULTS, MIXED_WIDTHS, _check_settings
+from .cache import CACHE_DEFAULTS, _check_settings
 from .layer import LatentKeyLinear, LatentKVLinear
 
 DEFAULT_KV_BYTES = 0.25
@@ -88,52 +88,10 @@ def _dense(module) -> torch.Tensor:
     return w.detach().double()
 
 
-def value_bytes(o: dict, bits: int | None = None) -> float:
+def value_bytes(o: dict) -> float:
     """Bytes a latent value costs per token: its code, and its group's scale and zero point shared by `group` tokens
-    (bits=16: a bfloat16 value; bits="mixed": the narrowest width's)."""
-    bits = bits or (MIXED_WIDTHS[0] if o["bits"] == "mixed" else o["bits"])
-    return 2.0 if bits >= 16 else bits / 8 + 3 / o["group"]
-
-
-def quantization_noise(bits: int) -> float:
-    """The share of a latent channel's energy that `bits`-bit codes over a group lose, as a model for the
-    allocation: round-to-nearest over a range of about 5 standard deviations, Δ² / 12 with Δ = 5σ / (2^bits - 1);
-    1 for a dropped channel (bits 0)."""
-    return 1.0 if bits == 0 else (5 / (2**bits - 1)) ** 2 / 12
-
-
-def _hull(cost: dict[int, float]) -> list[int]:
-    """The widths (0 first) on the lower convex hull of (cost, `quantization_noise`): the ones worth a step of
-    their own. A width above it (2 bits when a group's scale and zero point cost as much as the codes) is never
-    the best use of its bytes; without it, every channel's steps save less per byte the wider it gets."""
-    hull: list[int] = []
-    for b in sorted(cost):
-        while len(hull) >= 2:
-            a0, a1 = hull[-2], hull[-1]
-            slope_prev = (quantization_noise(a0) - quantization_noise(a1)) / (cost[a1] - cost[a0])
-            slope_new = (quantization_noise(a1) - quantization_noise(b)) / (cost[b] - cost[a1])
-            if slope_new < slope_prev:
-                break
-            hull.pop()
-        hull.append(b)
-    return hull
-
-
-class ColumnBits:
-    """The settings of a ``bits="mixed"`` ladder, rung by rung, without a copy per rung: rung k is the starting
-    bits (each group's first channel at the narrowest width) after the first k steps (group, channel, new bits)."""
-
-    def __init__(self, start: list[list[int]], steps: list[tuple[int, int, int]]):
-        self.start, self.steps = start, steps
-
-    def __len__(self) -> int:
-        return len(self.steps) + 1
-
-    def __getitem__(self, k: int) -> list[list[int]]:
-        bits = [list(b) for b in self.start]
-        for g, j, b in self.steps[:k]:
-            bits[g][j] = b
-        return bits
+    (bits=16: a bfloat16 value)."""
+    return 2.0 if o["bits"] >= 16 else o["bits"] / 8 + 3 / o["group"]
 
 
 @register_method
@@ -180,8 +138,6 @@ class LatentKV(Method):
             return None
         if options["kv_bytes"] is not None:
             fail("rank", rank, "None with kv_bytes= (the ranks are allocated from the byte budget)")
-        if options["bits"] == "mixed":
-            fail("bits", "mixed", "an int with rank= ('mixed' takes each channel's bits from the kv_bytes budget)")
         return super().validate_rank(rank, options)
 
     def validate_target(self, target, options):
@@ -237,10 +193,6 @@ class LatentKV(Method):
         groups = self._groups(entry, ctx.config)
         if len(spec["ranks"]) != groups:
             spec_fail(name, "ranks", spec["ranks"], f"{groups} rank(s), one per latent group", entry)
-        cb = spec.get("column_bits")
-        if cb is not None and (len(cb) != sum(spec["ranks"]) or not set(cb) <= set(MIXED_WIDTHS)):
-            spec_fail(name, "column_bits", cb, f"{sum(spec['ranks'])} widths (one per latent column) from {MIXED_WIDTHS}",
-                      entry)
         return None
 
     # ------------------------------------------------------------------ the fit
@@ -334,8 +286,6 @@ class LatentKV(Method):
         total = float(sum(float(p.sum()) for p in spectra)) or 1.0
         if name.endswith("k_proj"):
             total /= entry.options["key_weight"]
-        if entry.options["bits"] == "mixed":
-            return self._mixed_ladder(name, module, spectra, total, entry, alloc)
         unit = module.weight.numel() * value_bytes(entry.options) / (2 * module.out_features)  # one latent dim's cost
         ranks = [1] * groups
         loss = sum(float(p[1:].sum()) for p in spectra)
@@ -350,35 +300,6 @@ class LatentKV(Method):
         alloc.settings[name] = settings
         return costs, losses
 
-    def _mixed_ladder(self, name, module, spectra, total, entry, alloc):
-        """``bits="mixed"``: transform coding of the latent channels. Each channel's loss is its (weighted)
-        energy times `quantization_noise` of its bits; a step widens one channel (dropped -> 2 -> 3 -> 4 -> 8
-        bits) and the steps are taken by loss saved per byte, best first. Energies fall along the channels and a
-        channel's own steps save less per byte the wider it gets, so the bits fall along the channels: the kept
-        channels are a prefix, in runs of equal bits."""
-        o = entry.options
-        per_dim = module.weight.numel() / (2 * module.out_features)  # a latent dim's cost per byte of a token's value
-        cost = {b: 0.0 if b == 0 else value_bytes(o, b) * per_dim for b in (0, *MIXED_WIDTHS)}
-        widths = _hull(cost)
-        start = [[widths[1]] + [0] * (len(p) - 1) for p in spectra]
-        loss = sum(float(p[0]) * quantization_noise(widths[1]) + float(p[1:].sum()) for p in spectra)
-        steps = []
-        for g, p in enumerate(spectra):
-            for j, e in enumerate(p.tolist()):
-                for lo, hi in zip(widths, widths[1:]):
-                    if j == 0 and hi <= widths[1]:
-                        continue
-                    gain = e * (quantization_noise(lo) - quantization_noise(hi))
-                    steps.append((gain / (cost[hi] - cost[lo]), g, j, lo, hi, gain))
-        steps.sort(key=lambda t: (-t[0], t[1], t[2], t[4]))
-        costs, losses = [sum(cost[widths[1]] for _ in spectra)], [loss / total]
-        for _, g, j, lo, hi, gain in steps:
-            loss -= gain
-            costs.append(costs[-1] + cost[hi] - cost[lo])
-            losses.append(max(loss, 0.0) / total)
-        alloc.settings[name] = ColumnBits(start, [(g, j, hi) for _, g, j, _, hi, _ in steps])
-        return costs, losses
-
     def compress(self, modules, entry, ctx):
         self._config = ctx.config
         groups = self._groups(entry, ctx.config)
@@ -389,12 +310,8 @@ class LatentKV(Method):
             rotated = self._rotated(name, entry)
             bases = self._key_basis(name, lin, stats, entry, groups, ctx.config, ctx.layers, metrics) if rotated \
                 else self._basis(lin, stats, entry, groups, metrics)
-            column_bits = None
             if ctx.allocation is not None:
                 ranks = ctx.allocation.settings[name][ctx.allocation.rungs[name]]
-                if entry.options["bits"] == "mixed":  # per group, each channel's bits (0: dropped, a suffix)
-                    column_bits = [b for bits in ranks for b in bits if b]
-                    ranks = [sum(1 for b in bits if b) for bits in ranks]
             else:
                 ranks = [resolve_rank(entry.rank, u.shape[1]) for u, _ in bases]
             w = lin.weight.detach().float()
@@ -406,10 +323,9 @@ class LatentKV(Method):
                     downs.append((u[:, :r] * a[:, None]).T.float())
                 bias = None if lin.bias is None else lin.bias.detach()
                 new = LatentKeyLinear.build(lin.weight.detach(), bias, ups, downs, lin.weight.dtype)
-                new.column_bits = column_bits
                 kept = sum(float(sv[:r].pow(2).sum()) for (_, sv), r in zip(bases, ranks))
                 energy = sum(float(sv.pow(2).sum()) for _, sv in bases) or 1.0
-                out[name] = (new, {**self._report(bases, ranks, entry, lin, column_bits),  # the rotated keys' error: the weight is kept
+                out[name] = (new, {**self._report(bases, ranks, entry, lin),  # the rotated keys' error: the weight is kept
                                    "rel_error": round(max(1 - kept / energy, 0.0) ** 0.5, 6)})
                 continue
             for g, ((u, _), r, wg) in enumerate(zip(bases, ranks, w.chunk(groups, 0))):
@@ -426,23 +342,18 @@ class LatentKV(Method):
                 downs.append(down.float())
             bias = None if lin.bias is None else lin.bias.detach()
             new = LatentKVLinear.build(ups, downs, bias, lin.weight.dtype)
-            new.column_bits = column_bits
-            out[name] = (new, {**self._report(bases, ranks, entry, lin, column_bits),
+            out[name] = (new, {**self._report(bases, ranks, entry, lin),
                                "rel_error": relative_error(w, new.dense_weight().detach().float())})
         return out
 
     @staticmethod
-    def _report(bases, ranks, entry, lin, column_bits=None) -> dict:
-        """Ranks, the share of the (whitened; rotated keys: after RoPE) output energy dropped (codes aside), the
-        bytes' share; ``bits="mixed"``: how many channels got each width."""
+    def _report(bases, ranks, entry, lin) -> dict:
+        """Ranks, the share of the (whitened; rotated keys: after RoPE) output energy dropped, the bytes' share."""
         kept = sum(float(sv[:r].pow(2).sum()) for (_, sv), r in zip(bases, ranks))
         energy = sum(float(sv.pow(2).sum()) for _, sv in bases) or 1.0
-        o = entry.options
-        spent = sum(value_bytes(o, b) for b in column_bits) if column_bits else sum(ranks) * value_bytes(o)
         return {"ranks": ranks, "rank": sum(ranks),
-                **({"whitened_error": round(max(1 - kept / energy, 0.0) ** 0.5, 6)} if o["whiten"] else {}),
-                **({"channels_by_bits": {b: column_bits.count(b) for b in sorted(set(column_bits))}} if column_bits else {}),
-                "kv_fraction": round(spent / (2 * lin.out_features), 6)}
+                **({"whitened_error": round(max(1 - kept / energy, 0.0) ** 0.5, 6)} if entry.options["whiten"] else {}),
+                "kv_fraction": round(sum(ranks) * value_bytes(entry.options) / (2 * lin.out_features), 6)}
 
     def finish(self, model, entry, ctx, runner):
         from .attention import enable
