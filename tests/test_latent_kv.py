@@ -384,5 +384,7 @@ def test_attention_on_codes_equals_attention_on_dequantized_latents(bits):
     keys = k_proj.expand(z).view(2, total, 2, 4).permute(0, 2, 3, 1)  # (b, kvh, d, total)
     assert torch.allclose(got, torch.matmul(qg, keys), atol=1e-5)
     w = torch.softmax(torch.randn(2, 2, 5, total, generator=gen), -1)
-    want = torch.matmul(w, layer.v.read(0, total, torch.float32)[:, None])
-    assert torch.allclose(latent_attention._weigh_values(layer, w, torch.float32), want, atol=1e-5)
+    z = layer.v.read(0, total, torch.float32)
+    got = latent_attention._weigh_values(layer, w, [slice(0, 3), slice(3, 6)], torch.float32)  # a group a KV head
+    for g in range(2):
+        assert torch.allclose(got[g], torch.matmul(w[:, g:g + 1], z[:, None, :, 3 * g:3 * g + 3]), atol=1e-5)

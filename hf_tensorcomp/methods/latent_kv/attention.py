@@ -99,34 +99,46 @@ def _score_latent(k_proj: LatentKeyLinear, layer: LatentKVLayer, qg: torch.Tenso
             if piece[0] == "dense":
                 parts.append(torch.matmul(ql, piece[1][..., cols].transpose(1, 2)))
                 continue
-            _, c, scale, zero = piece
+            _, planes, scale, zero = piece
             qs = ql[:, None] * scale[:, :, None, cols]  # (b, n, M, R_g)
-            sc = torch.matmul(qs, c[:, :, cols]) - (qs * zero[:, :, None, cols]).sum(-1, keepdim=True)
+            sc = torch.cat([torch.matmul(qs, c[:, :, cols]) for c in planes], -1) \
+                - (qs * zero[:, :, None, cols]).sum(-1, keepdim=True)
             parts.append(sc.transpose(1, 2).reshape(b, per * m, -1))
         out.append((parts[0] if len(parts) == 1 else torch.cat(parts, -1)).view(b, per, m, total))
     return out[0] if len(out) == 1 else torch.cat(out, 1)
 
 
-def _weigh_values(layer: LatentKVLayer, w: torch.Tensor, dtype) -> torch.Tensor:
-    """Σ_t w_t z_t over the value latents held: w (b, kvh, M, total) -> (b, kvh, M, R_v); on quantized groups
-    the codes are multiplied as they are and the scales and zero points applied to the sums."""
+def _weigh_values(layer: LatentKVLayer, w: torch.Tensor, slices: list[slice], dtype) -> list[torch.Tensor]:
+    """Σ_t w_t z_t over the value latents held, each group of KV heads over its own latent columns: w (b, kvh, M,
+    total) -> [(b, kvh_g, M, R_g) per group]; on quantized groups the codes are multiplied as they are and the
+    scales and zero points applied to the sums."""
     b, kvh, m, total = w.shape
-    w = w.reshape(b, kvh * m, total)
-    y, start = None, 0
-    for piece in layer.v.pieces(dtype):
-        if piece[0] == "dense":
-            z = piece[1]
-            part = torch.matmul(w[..., start:start + z.shape[1]], z)
-            start += z.shape[1]
-        else:
-            _, c, scale, zero = piece
-            n, group = c.shape[1], c.shape[3]
-            wn = w[..., start:start + n * group].reshape(b, kvh * m, n, group).transpose(1, 2)  # (b, n, M, group)
-            start += n * group
-            part = (torch.matmul(wn, c.transpose(2, 3)) * scale[:, :, None]).sum(1) \
-                - torch.matmul(wn.sum(-1).transpose(1, 2), zero * scale)  # (b, M, R)
-        y = part if y is None else y + part
-    return y.view(b, kvh, m, -1)
+    per = kvh // len(slices)
+    pieces = layer.v.pieces(dtype)
+    out = []
+    for g, cols in enumerate(slices):
+        wg = w[:, g * per:(g + 1) * per].reshape(b, per * m, total)
+        y, start = None, 0
+        for piece in pieces:
+            if piece[0] == "dense":
+                z = piece[1][..., cols]
+                part = torch.matmul(wg[..., start:start + z.shape[1]], z)
+                start += z.shape[1]
+            else:
+                _, planes, scale, zero = piece
+                n, width = planes[0].shape[1], planes[0].shape[3]
+                group = width * len(planes)
+                wn = wg[..., start:start + n * group].reshape(b, per * m, n, group).transpose(1, 2)  # (b, n, M, group)
+                start += n * group
+                # Σ_t w_t c_t plane by plane: (b, n, R_g, width) @ (b, n, width, M)
+                wc = sum(torch.matmul(c[:, :, cols], wn[..., i * width:(i + 1) * width].transpose(2, 3))
+                         for i, c in enumerate(planes))
+                sc = scale[:, :, cols]
+                part = (wc * sc[..., None]).sum(1).transpose(1, 2) \
+                    - torch.matmul(wn.sum(-1).transpose(1, 2), zero[:, :, cols] * sc)  # (b, M, R_g)
+            y = part if y is None else y + part
+        out.append(y.view(b, per, m, -1))
+    return out
 
 
 def _score_rebuilt(module, k_proj: LatentKVLinear, layer: LatentKVLayer, qg: torch.Tensor, total: int,
@@ -170,15 +182,12 @@ def _attend(module, layer: LatentKVLayer, query: torch.Tensor, mask, scaling) ->
     else:
         s = s + mask[..., -total:]
     w = torch.softmax(s.float(), -1).nan_to_num(0.0).to(dtype).view(b, kv_heads, rep * q, total)
-    y = _weigh_values(layer, w, dtype)  # (b, kvh, rep*q, R_v)
-    up = v_proj.weight  # (out_g, R_v)
-    per_group, slices = v_proj.group_out // d, v_proj.group_slices()
-    outs = []
-    for h in range(kv_heads):
-        cols = slices[h // per_group]
-        rows = slice((h % per_group) * d, (h % per_group + 1) * d)
-        outs.append(torch.matmul(y[:, h, :, cols], up[rows, cols].T))
-    out = torch.stack(outs, 1)  # (b, kvh, rep*q, d)
+    slices = v_proj.group_slices()
+    up = v_proj.weight  # (out_g, R_v): each group's up-projection in its columns
+    per = kv_heads // len(slices)
+    outs = [torch.matmul(y, up[:, cols].view(per, d, -1).transpose(1, 2))  # (b, per, rep*q, d)
+            for y, cols in zip(_weigh_values(layer, w, slices, dtype), slices)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)  # (b, kvh, rep*q, d)
     if v_proj.bias is not None:
         out = out + v_proj.bias.view(kv_heads, 1, d)
     return out.view(b, heads, q, d).transpose(1, 2).contiguous()

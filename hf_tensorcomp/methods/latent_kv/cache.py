@@ -45,14 +45,29 @@ class _Positions:
         return 0 if self.ids is None else self.ids.numel() * self.ids.element_size()
 
 
-def _unpack_groups(codes: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """Codes (b, n, R, group * bits / 8) packed by `pack` back to (b, n, R, group) uint8: shifts on the bytes
-    themselves for the widths that divide a byte (the common case, on every step of every layer), else `unpack`."""
+def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (rows, group) uint8 into bytes (rows, group * bits / 8). Widths that divide a byte are packed in
+    planes: byte j holds the codes of tokens j, j + group / per, ... (per = 8 / bits codes a byte), so that each
+    plane comes back with one shift or mask, in token order (`_planes`); other widths: `pack`."""
+    if 8 % bits:
+        return pack(codes.reshape(-1), bits).view(codes.shape[0], -1)
+    per = 8 // bits
+    planes = codes.view(codes.shape[0], per, -1).to(torch.uint8)
+    out = planes[:, 0].clone()
+    for i in range(1, per):
+        out |= planes[:, i] << (i * bits)
+    return out
+
+
+def _planes(codes: torch.Tensor, bits: int, group: int) -> list[torch.Tensor]:
+    """The codes of `_pack_planes`, (b, n, R, bytes), as uint8 (b, n, R, group / per) tensors, one per plane in
+    token order (their concatenation is the group's tokens); widths that do not divide a byte: one tensor."""
     b, n, r, _ = codes.shape
     if 8 % bits:
-        return unpack(codes.reshape(-1), bits)[: b * n * r * group].view(b, n, r, group)
+        return [unpack(codes.reshape(-1), bits)[: b * n * r * group].view(b, n, r, group)]
     per, mask = 8 // bits, 2**bits - 1
-    return torch.stack([(codes >> (i * bits)) & mask for i in range(per)], -1).view(b, n, r, group)
+    return [codes & mask if i == 0 else codes >> (i * bits) if i == per - 1 else (codes >> (i * bits)) & mask
+            for i in range(per)]
 
 
 class _Latents:
@@ -93,7 +108,7 @@ class _Latents:
     def _quantize(self, chunk: torch.Tensor) -> None:
         b, g, r = chunk.shape
         q = quantize_rtn(chunk.transpose(1, 2).reshape(b * r, g), self.bits, g)
-        codes = pack(q.codes, self.bits).view(b, 1, r, -1)
+        codes = _pack_planes(q.codes.view(b * r, g), self.bits).view(b, 1, r, -1)
         scale, zero = q.scale.view(b, 1, r), q.zero.view(b, 1, r)
         if self.codes is None:
             self.codes, self.scale, self.zero = codes, scale, zero
@@ -117,7 +132,7 @@ class _Latents:
             g0, g1 = start // self.group, -(-min(end, nq) // self.group)
             codes = self.codes[:, g0:g1]
             b, n, r, _ = codes.shape
-            c = unpack(codes.reshape(-1), self.bits)[: b * n * r * self.group].view(b, n, r, self.group).to(dtype)
+            c = torch.cat(_planes(codes, self.bits, self.group), -1).to(dtype)
             z = (c - self.zero[:, g0:g1, :, None].to(dtype)) * self.scale[:, g0:g1, :, None].to(dtype)
             z = z.transpose(2, 3).reshape(b, n * self.group, r)
             parts.append(z[:, start - g0 * self.group: min(end, nq) - g0 * self.group])
@@ -127,14 +142,14 @@ class _Latents:
 
     def pieces(self, dtype) -> list[tuple]:
         """Everything held, oldest first, in the form the attention multiplies without a dense copy of the
-        latents: ``("dense", z)`` (b, t, R) for the 16-bit head and tail, ``("codes", c, scale, zero)`` for the
-        quantized groups — c (b, n, R, group) the codes as numbers, scale and zero (b, n, R), z ≈ (c - zero) · scale."""
+        latents: ``("dense", z)`` (b, t, R) for the 16-bit head and tail, ``("codes", planes, scale, zero)`` for the
+        quantized groups — planes: the codes as numbers, (b, n, R, group / per) each, whose concatenation is
+        c (b, n, R, group); scale and zero (b, n, R), z ≈ (c - zero) · scale."""
         out = []
         if self.head is not None:
             out.append(("dense", self.head.to(dtype)))
         if self.codes is not None:
-            b, n, r, _ = self.codes.shape
-            out.append(("codes", _unpack_groups(self.codes, self.bits, self.group).to(dtype),
+            out.append(("codes", [p.to(dtype) for p in _planes(self.codes, self.bits, self.group)],
                         self.scale.to(dtype), self.zero.to(dtype)))
         if self.tail is not None and self.tail.shape[1]:
             out.append(("dense", self.tail.to(dtype)))
