@@ -20,23 +20,20 @@ from torch import nn
 from ...layers.base import FactorizedModule, register_layer
 
 
-@register_layer
-class LatentKVLinear(FactorizedModule):
-    layer_type = "latent_kv"
+class _GroupedLatent(FactorizedModule):
+    """What the key and value forms share: a projection (in -> out) whose outputs, in groups of KV heads, each have
+    a latent of their own rank, side by side in one latent of ``sum(ranks)`` columns."""
+
     spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "ranks": "ints>=1", "bias": "bool"}
 
-    def __init__(self, in_features: int, out_features: int, ranks: list[int], bias: bool = False, dtype=None,
-                 device=None):
+    def __init__(self, in_features: int, out_features: int, ranks: list[int]):
         super().__init__()
         groups = len(ranks)
         if not ranks or out_features % groups or any(r > out_features // groups for r in ranks):
-            raise ValueError(f"LatentKVLinear.ranks: got {ranks!r} for {out_features} outputs; allowed: one rank per "
-                             "group of heads, the groups dividing the outputs evenly, each rank at most its group's rows")
+            raise ValueError(f"{type(self).__name__}.ranks: got {ranks!r} for {out_features} outputs; allowed: one rank "
+                             "per group of heads, the groups dividing the outputs evenly, each rank at most its group's rows")
         self.in_features, self.out_features, self.ranks = in_features, out_features, list(ranks)
         self.group_out = out_features // groups
-        self.down = nn.Parameter(torch.empty(sum(ranks), in_features, dtype=dtype, device=device))
-        self.weight = nn.Parameter(torch.empty(self.group_out, sum(ranks), dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     @property
     def latent_size(self) -> int:
@@ -49,6 +46,26 @@ class LatentKVLinear(FactorizedModule):
             out.append(slice(start, start + r))
             start += r
         return out
+
+    def spec(self) -> dict:
+        return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
+                "ranks": list(self.ranks), "bias": self.bias is not None}
+
+    @classmethod
+    def from_spec(cls, spec: dict, dtype=None, root=None):
+        return cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
+
+
+@register_layer
+class LatentKVLinear(_GroupedLatent):
+    layer_type = "latent_kv"
+
+    def __init__(self, in_features: int, out_features: int, ranks: list[int], bias: bool = False, dtype=None,
+                 device=None):
+        super().__init__(in_features, out_features, ranks)
+        self.down = nn.Parameter(torch.empty(sum(ranks), in_features, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.empty(self.group_out, sum(ranks), dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     @classmethod
     def build(cls, ups: list[torch.Tensor], downs: list[torch.Tensor], bias: torch.Tensor | None, dtype):
@@ -86,20 +103,12 @@ class LatentKVLinear(FactorizedModule):
     def dense_weight(self) -> torch.Tensor:
         return self.expand(self.down.T, bias=False).T
 
-    def spec(self) -> dict:
-        return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
-                "ranks": list(self.ranks), "bias": self.bias is not None}
-
-    @classmethod
-    def from_spec(cls, spec: dict, dtype=None, root=None) -> "LatentKVLinear":
-        return cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.ranks}"
 
 
 @register_layer
-class LatentKeyLinear(FactorizedModule):
+class LatentKeyLinear(_GroupedLatent):
     """A key projection kept dense, with a calibrated basis that takes its keys *after RoPE* to a latent.
 
     ``keys="rotated"`` (the default): the forward is the dense ``nn.Linear`` (so the model normalises and rotates
@@ -110,24 +119,14 @@ class LatentKeyLinear(FactorizedModule):
     """
 
     layer_type = "latent_kv_key"
-    spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "ranks": "ints>=1", "bias": "bool"}
 
     def __init__(self, in_features: int, out_features: int, ranks: list[int], bias: bool = False, dtype=None,
                  device=None):
-        super().__init__()
-        groups = len(ranks)
-        if not ranks or out_features % groups or any(r > out_features // groups for r in ranks):
-            raise ValueError(f"LatentKeyLinear.ranks: got {ranks!r} for {out_features} outputs; allowed: one rank per "
-                             "group of heads, the groups dividing the outputs evenly, each rank at most its group's rows")
-        self.in_features, self.out_features, self.ranks = in_features, out_features, list(ranks)
-        self.group_out = out_features // groups
+        super().__init__(in_features, out_features, ranks)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self.down = nn.Parameter(torch.empty(sum(ranks), self.group_out, dtype=dtype, device=device))
         self.up = nn.Parameter(torch.empty(self.group_out, sum(ranks), dtype=dtype, device=device))
-
-    latent_size = LatentKVLinear.latent_size
-    group_slices = LatentKVLinear.group_slices
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, ups: list[torch.Tensor],
@@ -159,14 +158,6 @@ class LatentKeyLinear(FactorizedModule):
 
     def dense_weight(self) -> torch.Tensor:
         return self.weight
-
-    def spec(self) -> dict:
-        return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
-                "ranks": list(self.ranks), "bias": self.bias is not None}
-
-    @classmethod
-    def from_spec(cls, spec: dict, dtype=None, root=None) -> "LatentKeyLinear":
-        return cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.ranks} (after RoPE)"

@@ -37,6 +37,14 @@ KEYS = ("rotated", "latent")
 ROPE_SPAN = 4096  # positions over which a rotated key's covariance is averaged (the contexts the cache is for)
 
 
+def _dropped(bases, ranks) -> float:
+    """The relative error of keeping the first `ranks` directions of each group's (U, σ): sqrt of the energy share
+    dropped."""
+    kept = sum(float(sv[:r].pow(2).sum()) for (_, sv), r in zip(bases, ranks))
+    energy = sum(float(sv.pow(2).sum()) for _, sv in bases) or 1.0
+    return round(max(1 - kept / energy, 0.0) ** 0.5, 6)
+
+
 def rope_tables(config, layer_type: str | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (length, head_dim) of the model's own rotary embedding at positions 0..length-1 (its class in
     transformers, built from the config: the fit runs before, and apart from, the model's own module)."""
@@ -196,14 +204,19 @@ class LatentKV(Method):
         return None
 
     # ------------------------------------------------------------------ the fit
+    @staticmethod
+    def _whitening(stats, entry):
+        """The whitening factor of the projection's inputs (``whiten=True``), else None."""
+        if not entry.options["whiten"]:
+            return None
+        if stats is None or stats.gram is None:
+            raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration= "
+                             "or whiten=False")
+        return whitening_factor(stats.gram, entry.options["damping"])
+
     def _basis(self, module, stats, entry, groups: int, metrics=None):
         """Per group of rows: (U, σ) of its whitened (and, with `metrics`, weighted) output, float64."""
-        s = None
-        if entry.options["whiten"]:
-            if stats is None or stats.gram is None:
-                raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration= "
-                                 "or whiten=False")
-            s = whitening_factor(stats.gram, entry.options["damping"])
+        s = self._whitening(stats, entry)
         w = module.weight.detach().float()
         return [output_basis(wg, s, None if metrics is None else metrics[g]) for g, wg in enumerate(w.chunk(groups, 0))]
 
@@ -211,15 +224,10 @@ class LatentKV(Method):
         """``keys="rotated"``: per group of rows, (U, σ) of the keys' covariance after RoPE (the whitened output
         covariance W G Wᵀ, scaled by the module's k_norm weights if it has one, averaged over the rotations of
         `ROPE_SPAN` positions; `rotation_average`), weighted by `metrics`; float64."""
-        w = module.weight.detach().double() if isinstance(module, torch.nn.Linear) else _dense(module)
-        if entry.options["whiten"]:
-            if stats is None or stats.gram is None:
-                raise ValueError("TensorCompressionConfig.whiten=True needs calibration statistics; pass calibration= "
-                                 "or whiten=False")
-            sf = whitening_factor(stats.gram, entry.options["damping"]).double()
-            ws = w @ sf
-        else:
-            ws = w
+        ws = _dense(module)
+        sf = self._whitening(stats, entry)
+        if sf is not None:
+            ws = ws @ sf.double()
         m = ws @ ws.T
         norm = None if layers is None else getattr(layers[int(name.partition(".")[0])].self_attn, "k_norm", None)
         if norm is not None:  # RMSNorm per head: its weights scale the channels (the 1/rms a common factor)
@@ -323,10 +331,8 @@ class LatentKV(Method):
                     downs.append((u[:, :r] * a[:, None]).T.float())
                 bias = None if lin.bias is None else lin.bias.detach()
                 new = LatentKeyLinear.build(lin.weight.detach(), bias, ups, downs, lin.weight.dtype)
-                kept = sum(float(sv[:r].pow(2).sum()) for (_, sv), r in zip(bases, ranks))
-                energy = sum(float(sv.pow(2).sum()) for _, sv in bases) or 1.0
                 out[name] = (new, {**self._report(bases, ranks, entry, lin),  # the rotated keys' error: the weight is kept
-                                   "rel_error": round(max(1 - kept / energy, 0.0) ** 0.5, 6)})
+                                   "rel_error": _dropped(bases, ranks)})
                 continue
             for g, ((u, _), r, wg) in enumerate(zip(bases, ranks, w.chunk(groups, 0))):
                 u = u[:, :r]
@@ -349,10 +355,8 @@ class LatentKV(Method):
     @staticmethod
     def _report(bases, ranks, entry, lin) -> dict:
         """Ranks, the share of the (whitened; rotated keys: after RoPE) output energy dropped, the bytes' share."""
-        kept = sum(float(sv[:r].pow(2).sum()) for (_, sv), r in zip(bases, ranks))
-        energy = sum(float(sv.pow(2).sum()) for _, sv in bases) or 1.0
         return {"ranks": ranks, "rank": sum(ranks),
-                **({"whitened_error": round(max(1 - kept / energy, 0.0) ** 0.5, 6)} if entry.options["whiten"] else {}),
+                **({"whitened_error": _dropped(bases, ranks)} if entry.options["whiten"] else {}),
                 "kv_fraction": round(sum(ranks) * value_bytes(entry.options) / (2 * lin.out_features), 6)}
 
     def finish(self, model, entry, ctx, runner):
