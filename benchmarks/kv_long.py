@@ -501,7 +501,7 @@ def goals(res: dict) -> list[str]:
     for model in dict.fromkeys(r["model"] for r in table):
         rs = [r for r in table if r["model"] == model and r["ppl_vs_dynamic"] is not None]
         pk = {r["row"]: r for r in res["passkey"] if r["model"] == model and "accuracy" in r}
-        for cap, tol in ((0.10, 1.02), (0.15, 1.01)):
+        for cap, tol in ((0.10, 1.02), (0.15, 1.01)) if rs else ():
             hits = [r["row"] for r in rs if r["bytes_vs_bf16"] <= cap and r["ppl_vs_dynamic"] <= tol]
             lines.append(f"- {model}: <= {cap:.0%} of the bf16 bytes within {tol - 1:.0%} of DynamicCache's perplexity: "
                          + (", ".join(hits) if hits else "none"))
@@ -540,7 +540,8 @@ def report(res: dict, cfg: dict) -> str:
     ctx = {r["model"]: r["context"] for r in res["ppl"]}
     pctx = {r["model"]: r["context"] for r in res["passkey"]}
     md = head + ["## Goals table (item 5)", "",
-                 "Contexts: " + ", ".join(f"{m} {c} tokens (passkey {pctx.get(m, '-')})" for m, c in ctx.items()), "",
+                 "Contexts: " + ", ".join(f"{m} {ctx.get(m, '-')} tokens (passkey {pctx.get(m, '-')})"
+                                          for m in dict.fromkeys([*ctx, *pctx])), "",
                  markdown_table(table, [("model", "model", "{}"), ("row", "cache", "{}"),
                                         ("bytes_vs_bf16", "bytes vs bf16 Dynamic", "{:.3f}"),
                                         ("bytes_vs_dtype", "vs fp32 Dynamic", "{:.3f}"),

@@ -124,6 +124,41 @@ def _decode_with_projected_keys(ref, ids, prefill):
         ref.set_attn_implementation("sdpa")
 
 
+def test_rotated_key_covariance_is_that_of_the_normed_keys(tiny_dirs):
+    """A model with a k_norm (Qwen3): the covariance the rotated keys' basis is taken from is that of the keys the
+    attention block really gives on the calibration inputs (each token's key divided by its own RMS), not the
+    norm-weight-scaled W G Wᵀ, in which a few tokens with large keys dominate."""
+    from hf_tensorcomp.calibration.stats import ModuleStats
+    from hf_tensorcomp.methods.latent_kv.method import LatentKV
+
+    ref = dense(tiny_dirs["qwen3"])
+    attn = ref.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(5)
+    n = 64
+    x = torch.randn(n, ref.config.hidden_size, generator=gen)
+    x[::9] *= 30  # a few tokens with large activations
+    stats = ModuleStats({"gram", "inputs"})
+    stats.add(x)
+    seen = []
+    hook = attn.k_norm.register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+    with torch.no_grad():
+        pos = torch.arange(n)[None]
+        attn(hidden_states=x[None], position_embeddings=ref.model.rotary_emb(x[None], pos), attention_mask=None)
+    hook.remove()
+    k = seen[0].reshape(n, -1).double()
+    want = k.T @ k / n
+    got = LatentKV()._key_covariance(attn.k_proj, stats, None, attn.k_norm, ref.config)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    stats_without_inputs = ModuleStats({"gram"})
+    stats_without_inputs.add(x)
+
+    class Entry:
+        options = {"whiten": True, "damping": 0.0}
+
+    old = LatentKV()._key_covariance(attn.k_proj, stats_without_inputs, Entry, attn.k_norm, ref.config)
+    assert rel(old / old.trace(), want / want.trace()) > 0.1
+
+
 def test_rotation_average_is_the_mean_over_positions():
     """`rotation_average` in closed form against the mean of R_t M R_tᵀ built position by position."""
     from hf_tensorcomp.methods.latent_kv.method import rotation_average
@@ -388,3 +423,92 @@ def test_attention_on_codes_equals_attention_on_dequantized_latents(bits):
     got = latent_attention._weigh_values(layer, w, [slice(0, 3), slice(3, 6)], torch.float32)  # a group a KV head
     for g in range(2):
         assert torch.allclose(got[g], torch.matmul(w[:, g:g + 1], z[:, None, :, 3 * g:3 * g + 3]), atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the Hub, PEFT, streaming
+# --------------------------------------------------------------------------------------------------------------
+
+CAL = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(7))
+
+PUSH = """
+import sys, torch, hf_tensorcomp
+from transformers import AutoModelForCausalLM
+src, repo, out = sys.argv[1], sys.argv[2], sys.argv[3]
+cfg = hf_tensorcomp.TensorCompressionConfig(method="latent_kv", kv_bytes=0.3, bits=4, group=8, window=4, whiten=False,
+                                            progress=False)
+model = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg)
+ids = torch.arange(3, 23).reshape(2, 10)
+torch.save(model.generate(ids, max_new_tokens=16, do_sample=False), out)
+hf_tensorcomp.push_to_hub(model, repo)
+"""
+
+PULL = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from hf_tensorcomp.methods.latent_kv import LatentKVCache
+repo, ref = sys.argv[1], sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(repo)
+assert model.config._attn_implementation == "latent_kv", model.config._attn_implementation
+ids = torch.arange(3, 23).reshape(2, 10)
+out = model.generate(ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
+assert isinstance(out.past_key_values, LatentKVCache), type(out.past_key_values)
+assert torch.equal(out.sequences, torch.load(ref))
+print("PULLED")
+"""
+
+
+def test_push_to_hub_and_pull_decode_through_the_latent_cache(tiny_dirs, tmp_path):
+    """Pushed to a Hub server on localhost and pulled by its repo id in a fresh process: the model comes back with
+    the latent attention and cache, and greedy decoding gives the tokens it gave before the push."""
+    from hub_server import HubServer, hub_env, run_python
+
+    ref = tmp_path / "tokens.pt"
+    with HubServer() as hub:
+        run_python(PUSH, hub_env(hub, tmp_path / "push"), args=[str(tiny_dirs["gemma3"]), "user/tiny-latent", str(ref)])
+        assert {"config.json", "model.safetensors", "README.md"} <= set(hub.repo_files("user/tiny-latent"))
+        out = run_python(PULL, hub_env(hub, tmp_path / "pull"), args=["user/tiny-latent", str(ref)])
+    assert "PULLED" in out.stdout
+
+
+def test_lora_on_the_other_modules_decodes_through_the_latent_cache(tiny_dirs):
+    """PEFT LoRA on q_proj, o_proj and down_proj of a latent model (full rank, no codes: exact) trains, and its
+    decoding through the latent cache gives the logits of the dense model carrying the same adapters."""
+    from peft import get_peft_model
+
+    from hf_tensorcomp.integration.peft import lora_config
+
+    ids = long_ids(24)
+    cfg = lambda: lora_config(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "down_proj"])  # noqa: E731
+    pm = get_peft_model(load(tiny_dirs["llama"], rank=1.0, bits=16), cfg())
+    ref = get_peft_model(dense(tiny_dirs["llama"]), cfg())
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        pm(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    lora = {k: v for k, v in pm.state_dict().items() if "lora_" in k}
+    assert any(k.endswith("lora_B.default.weight") and v.abs().max() > 0 for k, v in lora.items())
+    missing = ref.load_state_dict(lora, strict=False)
+    assert not missing.unexpected_keys
+    got, cache = decode_logits(pm, ids, 6)
+    assert isinstance(cache, LatentKVCache)
+    want, _ = decode_logits(ref, ids, 6)
+    assert rel(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_compress_checkpoint_gives_the_in_memory_latents(tiny_dirs, tmp_path, arch):
+    """Streaming compression (`compress_checkpoint`, one decoder layer at a time) writes the checkpoint in-memory
+    compression gives (a byte budget, whitened, the attention metric, rotated keys), and it decodes alike."""
+    import hf_tensorcomp
+
+    kw = dict(method="latent_kv", kv_bytes=0.3, bits=4, group=8, window=4, calibration=CAL, progress=False)
+    memory = AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], quantization_config=TensorCompressionConfig(**kw)).eval()
+    hf_tensorcomp.compress_checkpoint(tiny_dirs[arch], tmp_path / "out", TensorCompressionConfig(**kw))
+    streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    a, b = memory.state_dict(), streamed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert streamed.config._attn_implementation == "latent_kv"
+    ids = long_ids(30)
+    assert torch.equal(decode_logits(memory, ids, 5)[0], decode_logits(streamed, ids, 5)[0])

@@ -152,7 +152,10 @@ class LatentKV(Method):
         fail("target", target, "None: latent_kv's budget is kv_bytes= (a fraction of the bf16 KV-cache bytes)")
 
     def needs(self, entry):
-        return frozenset({"gram"} if entry.options["whiten"] else set())
+        kinds = {"gram"} if entry.options["whiten"] else set()
+        if entry.options["whiten"] and entry.options["keys"] == "rotated":
+            kinds.add("inputs")  # a k_norm's keys: their covariance is measured (`_key_covariance`)
+        return frozenset(kinds)
 
     def allocates(self, entry):
         return entry.options["kv_bytes"] is not None
@@ -220,22 +223,39 @@ class LatentKV(Method):
         w = module.weight.detach().float()
         return [output_basis(wg, s, None if metrics is None else metrics[g]) for g, wg in enumerate(w.chunk(groups, 0))]
 
-    def _key_basis(self, name, module, stats, entry, groups: int, config, layers, metrics=None):
-        """``keys="rotated"``: per group of rows, (U, σ) of the keys' covariance after RoPE (the whitened output
-        covariance W G Wᵀ, scaled by the module's k_norm weights if it has one, averaged over the rotations of
-        `ROPE_SPAN` positions; `rotation_average`), weighted by `metrics`; float64."""
-        ws = _dense(module)
+    def _key_covariance(self, module, stats, entry, norm, config) -> torch.Tensor:
+        """The covariance of the keys before RoPE (float64, out x out). Without a k_norm: the whitened output
+        covariance W G Wᵀ. With one (Qwen3, Gemma-3: an RMSNorm per head), the keys are each divided by their own
+        RMS, so tokens with large keys no longer dominate: the covariance of the normed keys themselves, the
+        projection and the norm run on the calibration inputs (W G Wᵀ scaled by the norm's weights instead left
+        Gemma-3's rotated keys at 1.34x perplexity where the keys before RoPE gave 1.18x)."""
+        w = _dense(module)
+        if norm is not None and stats is not None and "inputs" in stats.kinds and stats.n:
+            d = _head_dim(config)
+            x = stats.inputs
+            cov = torch.zeros(w.shape[0], w.shape[0], dtype=torch.float64)
+            with torch.no_grad():
+                for rows in x.split(4096):
+                    k = torch.nn.functional.linear(rows.to(module.weight.dtype), module.weight, module.bias)
+                    k = norm(k.view(rows.shape[0], -1, d)).reshape(rows.shape[0], -1).double()
+                    cov += k.T @ k
+            return cov / stats.n
         sf = self._whitening(stats, entry)
-        if sf is not None:
-            ws = ws @ sf.double()
+        ws = w if sf is None else w @ sf.double()
         m = ws @ ws.T
-        norm = None if layers is None else getattr(layers[int(name.partition(".")[0])].self_attn, "k_norm", None)
-        if norm is not None:  # RMSNorm per head: its weights scale the channels (the 1/rms a common factor)
+        if norm is not None:  # no calibration inputs: its weights scale the channels (the 1/rms taken as common)
             d = _head_dim(config)
             with torch.no_grad():
                 g = norm(torch.ones(1, d, dtype=next(norm.parameters()).dtype)).double().reshape(-1)
             g = g.repeat(m.shape[0] // d)
             m = g[:, None] * m * g[None]
+        return m
+
+    def _key_basis(self, name, module, stats, entry, groups: int, config, layers, metrics=None):
+        """``keys="rotated"``: per group of rows, (U, σ) of the keys' covariance after RoPE (`_key_covariance`
+        averaged over the rotations of `ROPE_SPAN` positions; `rotation_average`), weighted by `metrics`; float64."""
+        norm = None if layers is None else getattr(layers[int(name.partition(".")[0])].self_attn, "k_norm", None)
+        m = self._key_covariance(module, stats, entry, norm, config)
         types = getattr(config, "layer_types", None)
         layer_type = types[int(name.partition(".")[0])] if types else None
         cos, sin = rope_tables(config, layer_type, ROPE_SPAN)
