@@ -15,7 +15,9 @@ OpenWebText eval perplexity (8,192 tokens each) beside it, as in ``quantized.py`
 Rows per model (SmolLM2-135M-Instruct ``smollm2``, Gemma-3-270M ``gemma3``; float32, CPU), ``ROWS`` below:
 ``dense``; ``defaults_mix`` (target_bytes=0.27 on both corpora, nothing else set); ``uniform4_wiki`` (bits=4,
 rank=0 on Wikipedia); ``uniform4_mix`` (the same on both corpora: the uniform setting ``defaults_mix`` contains,
-calibrated as it is); ``defaults_wiki`` (target_bytes=0.27 on Wikipedia); ``quanto_int4`` (the peer, optimum-quanto int4). Bytes: the decoder linears' stored
+calibrated as it is); ``defaults_wiki`` (target_bytes=0.27 on Wikipedia); ``quanto_int4`` (the peer, optimum-quanto int4);
+diagnostics of the budget on both corpora: ``budget_mix_relative`` (no Fisher weights), ``budget_mix_damped`` /
+``budget_mix_damped01`` (the correction's whitening damped at 0.01 / 0.1 instead of 1e-4). Bytes: the decoder linears' stored
 bytes over their bf16 bytes (``quantized._linear_bytes``). Each row runs in a child process and is appended
 to ``results/other_prose.json`` when done (a rerun skips the rows the file holds); ``.md`` is rewritten too.
 
@@ -50,6 +52,7 @@ ROWS = {  # label -> TensorCompressionConfig fields (None: the dense model)
     "budget_mix_relative": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia+owt", "allocation": "relative"},
     # or the corrections, whitened on the calibration inputs with little damping, reading directions they hardly hold?
     "budget_mix_damped": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia+owt", "damping": 0.01},
+    "budget_mix_damped01": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia+owt", "damping": 0.1},
 }
 
 

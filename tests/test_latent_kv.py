@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_tensorcomp import TensorCompressionConfig
+from hf_tensorcomp.healing import heal
 from hf_tensorcomp.methods.latent_kv import LatentKVCache, LatentKVLinear, dense_cache_bytes
 from hf_tensorcomp.methods.latent_kv.layer import LatentKeyLinear
 from hf_tensorcomp.methods.latent_kv import attention as latent_attention
@@ -512,3 +513,32 @@ def test_compress_checkpoint_gives_the_in_memory_latents(tiny_dirs, tmp_path, ar
     assert streamed.config._attn_implementation == "latent_kv"
     ids = long_ids(30)
     assert torch.equal(decode_logits(memory, ids, 5)[0], decode_logits(streamed, ids, 5)[0])
+
+
+def test_healing_attends_to_the_keys_the_cache_holds(tiny_dirs):
+    """Healing must see the rotated keys' truncation: in its training form the keys go through up · down, so a
+    forward gives what the latent cache reads (bits=16: no codes) and the loss reaches the key factors; out of it
+    a plain forward keeps the dense keys, as the prompt's prefill does. `heal` then moves the key factors."""
+    from hf_tensorcomp.healing import TrainingForms
+
+    model = load(tiny_dirs["llama"], rank=2, bits=16)
+    k_proj = model.model.layers[0].self_attn.k_proj
+    assert isinstance(k_proj, LatentKeyLinear)
+    ids = long_ids(12, batch=1)
+    with torch.no_grad():
+        plain = model(ids).logits
+        cached, _ = decode_logits(model, ids, 1)  # every later token scored against the stored key latents
+    forms = TrainingForms(model)
+    healing = model(ids).logits
+    assert rel(healing[:, 1:], cached[:, 1:]) < 1e-5  # the training forward is the cache's, not the dense one
+    assert rel(plain[:, 1:], cached[:, 1:]) > 1e-3
+    healing.logsumexp(-1).mean().backward()
+    assert k_proj.down.grad is not None and k_proj.down.grad.abs().sum() > 0
+    assert k_proj.up.grad is not None and k_proj.up.grad.abs().sum() > 0
+    forms.close(keep=True)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain)  # back to dense keys
+    down = k_proj.down.detach().clone()
+    heal(model, teacher=dense(tiny_dirs["llama"]), calibration=long_ids(32, batch=12, seed=5), steps=10,
+         train="factors", progress=False, held_out=0.25)
+    assert not torch.equal(k_proj.down, down)

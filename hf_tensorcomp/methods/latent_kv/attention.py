@@ -58,6 +58,8 @@ def latent_kv_attention(module: nn.Module, query: torch.Tensor, key, value, atte
     zk = k_proj.take_latent() if isinstance(k_proj, LatentKVLinear) else None
     zv = v_proj.take_latent() if isinstance(v_proj, LatentKVLinear) else None
     if not isinstance(key, LatentKVLayer):
+        if rotated and k_proj.__dict__.get("through_latent"):
+            key = _through_latent(k_proj, key)  # healing: fit the factors to the keys the cache will hold
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     layer = key
     new_k, new_v = layer.pending
@@ -79,6 +81,14 @@ def latent_kv_attention(module: nn.Module, query: torch.Tensor, key, value, atte
         out = (_attend(module, layer, query, attention_mask, scaling), None)
     layer.forget()
     return out
+
+
+def _through_latent(k_proj: LatentKeyLinear, key: torch.Tensor) -> torch.Tensor:
+    """Rotated keys (b, kv_heads, t, d) as their latent gives them back (up · down, no codes): what a forward
+    attends to while healing (`LatentKeyLinear.training_form`), so that the loss sees the keys' truncation and
+    reaches ``down`` and ``up``; any other plain forward, like the prompt's prefill, keeps the dense keys."""
+    b, h, t, d = key.shape
+    return k_proj.expand(k_proj.latent(key.transpose(1, 2).reshape(b, t, h * d))).view(b, t, h, d).transpose(1, 2)
 
 
 def _score_latent(k_proj: LatentKeyLinear, layer: LatentKVLayer, qg: torch.Tensor, total: int, dtype) -> torch.Tensor:

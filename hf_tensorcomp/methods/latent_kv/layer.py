@@ -145,6 +145,16 @@ class LatentKeyLinear(_GroupedLatent):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def training_form(self) -> bool:
+        """While healing, the attention runs the rotated keys through ``up · down`` (`attention._through_latent`),
+        so that the loss sees the keys the cache will hold and reaches ``down`` and ``up``; outside it the forward
+        keeps the dense keys, as the prompt's prefill does."""
+        self.__dict__["through_latent"] = True
+        return True
+
+    def storage_form(self, keep: bool = True) -> None:
+        self.__dict__.pop("through_latent", None)
+
     def latent(self, k: torch.Tensor) -> torch.Tensor:
         """Latents (..., R) of rotated keys k (..., out) (the heads side by side, as the projection gives them)."""
         if len(self.ranks) == 1:
