@@ -88,10 +88,9 @@ def _one(job: dict, q) -> None:
         row["mean_rank"] = round(sum(m.get("rank", 0) for m in mods) / max(len(mods), 1), 1)
     stored, dense = _linear_bytes(model)
     row["linear_bytes"] = stored / dense
-    r = perplexity(model, tok, kjv_slice(), context_length=512, stride=512, max_tokens=EVAL_TOKENS, progress=False)
-    row["ppl_kjv"], row["kjv_tokens"] = r["ppl"], r["n_tokens"]
-    r = perplexity(model, tok, kjv_slice(BOOKS2), context_length=512, stride=512, max_tokens=EVAL_TOKENS, progress=False)
-    row["ppl_kjv2"] = r["ppl"]
+    for key, names in (("kjv2", BOOKS2), ("kjv", BOOKS)):  # the first slice last: its token count is recorded
+        r = perplexity(model, tok, kjv_slice(names), context_length=512, stride=512, max_tokens=EVAL_TOKENS, progress=False)
+        row[f"ppl_{key}"], row["kjv_tokens"] = r["ppl"], r["n_tokens"]
     row.update({f"ppl_{c}": v for c, v in ppl_both(model, tok, EVAL_TOKENS).items()})
     row["row_s"] = round(time.perf_counter() - t0, 1)
     q.put(row)

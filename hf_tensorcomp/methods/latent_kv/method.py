@@ -229,18 +229,16 @@ class LatentKV(Method):
         RMS, so tokens with large keys no longer dominate: the covariance of the normed keys themselves, the
         projection and the norm run on the calibration inputs (W G Wᵀ scaled by the norm's weights instead left
         Gemma-3's rotated keys at 1.34x perplexity where the keys before RoPE gave 1.18x)."""
-        w = _dense(module)
         if norm is not None and stats is not None and "inputs" in stats.kinds and stats.n:
-            d = _head_dim(config)
-            x = stats.inputs
-            cov = torch.zeros(w.shape[0], w.shape[0], dtype=torch.float64)
+            d, out = _head_dim(config), module.weight.shape[0]
+            cov = torch.zeros(out, out, dtype=torch.float64)
             with torch.no_grad():
-                for rows in x.split(4096):
+                for rows in stats.inputs.split(4096):
                     k = torch.nn.functional.linear(rows.to(module.weight.dtype), module.weight, module.bias)
                     k = norm(k.view(rows.shape[0], -1, d)).reshape(rows.shape[0], -1).double()
                     cov += k.T @ k
             return cov / stats.n
-        sf = self._whitening(stats, entry)
+        w, sf = _dense(module), self._whitening(stats, entry)
         ws = w if sf is None else w @ sf.double()
         m = ws @ ws.T
         if norm is not None:  # no calibration inputs: its weights scale the channels (the 1/rms taken as common)
