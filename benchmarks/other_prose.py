@@ -53,6 +53,13 @@ ROWS = {  # label -> TensorCompressionConfig fields (None: the dense model)
     # or the corrections, whitened on the calibration inputs with little damping, reading directions they hardly hold?
     "budget_mix_damped": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia+owt", "damping": 0.01},
     "budget_mix_damped01": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia+owt", "damping": 0.1},
+    # or too few calibration tokens (32 x 256) for the corrections' whitened fit?
+    "budget_mix_128": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia+owt", "calibration_samples": 128},
+    # or the refit of the codes to W - BA, which the correction then chases?
+    "budget_mix_rounds0": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia+owt", "rounds": 0},
+    "budget_mix_128_rounds0": {"method": "qlr", "target_bytes": 0.27, "calibration": "wikipedia+owt", "calibration_samples": 128,
+                               "rounds": 0},
+    "uniform4_mix_128": {"method": "qlr", "bits": 4, "rank": 0, "calibration": "wikipedia+owt", "calibration_samples": 128},
 }
 
 

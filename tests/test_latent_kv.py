@@ -426,6 +426,86 @@ def test_attention_on_codes_equals_attention_on_dequantized_latents(bits):
         assert torch.allclose(got[g], torch.matmul(w[:, g:g + 1], z[:, None, :, 3 * g:3 * g + 3]), atol=1e-5)
 
 
+def _kernel_layer(monkeypatch, r=40, chunk=128, batch=2):
+    """A full-attention 4-bit layer on the CPU (the int4 kernel's layouts), chunks of `chunk` tokens, holding
+    latents whose channels' ranges span 100x (the latents' singular directions do)."""
+    from hf_tensorcomp.methods.latent_kv import cache
+
+    monkeypatch.setattr(cache, "CHUNK", chunk)
+    gen = torch.Generator().manual_seed(0)
+    layer = cache.LatentKVLayer(cache._Positions(), bits=4, group=64, window=64, sink=16, rotated_keys=True)
+    layer.lazy_initialization(torch.zeros(1), None)
+    base = cache.LatentKVLayer(cache._Positions(), bits=4, group=64, window=64, sink=16)  # per-channel codes
+    base.lazy_initialization(torch.zeros(1), None)
+    spread = torch.logspace(0, -2, r)
+    zk, zv = [], []
+    for n in (300, 1, 90, 1, 17):
+        zk.append(torch.randn(batch, n, r, generator=gen) * spread)
+        zv.append(torch.randn(batch, n, r, generator=gen) * spread)
+        layer.add(zk[-1], zv[-1], None)
+        base.add(zk[-1], zv[-1], None)
+    return layer, base, torch.cat(zk, 1), torch.cat(zv, 1)
+
+
+def test_kernel_layouts_keep_the_latents_as_well_as_per_channel_codes(monkeypatch):
+    """On the CPU a full-attention 4-bit layer lays its codes out for PyTorch's int4 kernel: the values keep their
+    per-channel codes (closed chunks read back as the open codes do), the keys are quantized per token after a
+    fixed per-channel norm and a Hadamard rotation, which must keep them as well as per-channel codes do."""
+    from hf_tensorcomp.methods.latent_kv import cache
+
+    layer, base, zk, zv = _kernel_layer(monkeypatch)
+    assert isinstance(layer.k, cache._KernelKeys) and isinstance(layer.v, cache._KernelValues)
+    total = layer.held()
+    assert total == 409 and len(layer.v.chunks) == 2 and layer.k.n_quantized == 320  # 16 sink, 73 in the window
+    v, v_base = layer.v.read(0, total, torch.float32), base.v.read(0, total, torch.float32)
+    assert rel(v, v_base) < 5e-3  # the same codes; the kernel's products in bfloat16
+    assert rel(layer.v.read(100, 300, torch.float32), v[:, 100:300]) < 5e-3
+    k, k_base = layer.k.read(0, total, torch.float32), base.k.read(0, total, torch.float32)
+    assert rel(k, zk) < 1.1 * rel(k_base, zk)
+    assert rel(k, zk) < 0.1 and rel(k[:, :16], zk[:, :16]) < 1e-3  # the sink stays in 16 bits
+    want = sum(t.numel() * t.element_size() for s in (layer.k, layer.v) for t in s.tensors())
+    assert layer.nbytes() == want and len(layer.v.tensors()) == 2 * 3 + 3 + 2  # 2 chunks, 1 open group, head, tail
+
+
+def test_attention_through_the_kernel_equals_attention_on_the_latents_it_holds(monkeypatch):
+    """Scores through the int4 kernel (keys) and weighted sums over closed chunks (values) equal the products with
+    the latents each stream reads back, bfloat16 products aside; beam reordering moves every piece."""
+    layer, _, _, _ = _kernel_layer(monkeypatch)
+    gen = torch.Generator().manual_seed(1)
+    total = layer.held()
+    k_proj = LatentKeyLinear(4, 64, [20, 20])  # 2 KV heads of 32 dims, a latent of 20 each
+    torch.nn.init.normal_(k_proj.up, generator=gen)
+    for _ in range(2):
+        qg = torch.randn(2, 2, 5, 32, generator=gen)
+        got = latent_attention._score_latent(k_proj, layer, qg, total, torch.float32)
+        keys = k_proj.expand(layer.k.read(0, total, torch.float32)).view(2, total, 2, 32).permute(0, 2, 3, 1)
+        assert rel(got, torch.matmul(qg, keys)) < 1e-2
+        w = torch.softmax(torch.randn(2, 2, 5, total, generator=gen), -1)
+        z = layer.v.read(0, total, torch.float32)
+        got = latent_attention._weigh_values(layer, w, [slice(0, 20), slice(20, 40)], torch.float32)
+        for g in range(2):
+            assert rel(got[g], torch.matmul(w[:, g:g + 1], z[:, None, :, 20 * g:20 * g + 20])) < 1e-2
+        layer.reorder_cache(torch.tensor([1, 0]))  # the second round reads the rows swapped
+
+
+def test_decoding_through_the_kernel_layouts_stays_with_the_per_channel_cache(tiny_dirs, monkeypatch):
+    """A tiny Llama at 4 bits, groups of 64 tokens, decoding past a closed chunk: the kernel layouts give the
+    logits the per-channel codes give, within what 4-bit codes move them anyway."""
+    from hf_tensorcomp.methods.latent_kv import cache
+
+    monkeypatch.setattr(cache, "CHUNK", 128)
+    model, ref = load(tiny_dirs["llama"], rank=1.0, bits=4, group=64), dense(tiny_dirs["llama"])
+    ids = long_ids(n=330)
+    got, c = decode_logits(model, ids, prefill=290)
+    assert isinstance(c.layers[0].k, cache._KernelKeys) and len(c.layers[0].v.chunks) == 1 and c.layers[0].v.n_quantized == 64
+    monkeypatch.setattr(cache, "kernel_ready", lambda *a: False)
+    plain, c = decode_logits(model, ids, prefill=290)
+    assert type(c.layers[0].k) is cache._Latents
+    want = decode_logits(ref, ids, prefill=290)[0]
+    assert rel(got[:, 290:], want[:, 290:]) < 2 * rel(plain[:, 290:], want[:, 290:]) + 1e-3
+    assert rel(got[:, 290:], plain[:, 290:]) < 0.05
+
+
 # --------------------------------------------------------------------------------------------------------------
 # the Hub, PEFT, streaming
 # --------------------------------------------------------------------------------------------------------------

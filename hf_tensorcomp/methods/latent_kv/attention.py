@@ -109,6 +109,9 @@ def _score_latent(k_proj: LatentKeyLinear, layer: LatentKVLayer, qg: torch.Tenso
             if piece[0] == "dense":
                 parts.append(torch.matmul(ql, piece[1][..., cols].transpose(1, 2)))
                 continue
+            if piece[0] == "tokens":
+                parts.append(layer.k.scores(ql, cols))
+                continue
             _, planes, scale, zero = piece
             qs = ql[:, None] * scale[:, :, None, cols]  # (b, n, M, R_g)
             sc = torch.cat([torch.matmul(qs, c[:, :, cols]) for c in planes], -1) \
@@ -134,6 +137,9 @@ def _weigh_values(layer: LatentKVLayer, w: torch.Tensor, slices: list[slice], dt
                 z = piece[1][..., cols]
                 part = torch.matmul(wg[..., start:start + z.shape[1]], z)
                 start += z.shape[1]
+            elif piece[0] == "chunk":
+                part = layer.v.chunk_product(piece[1], wg[..., start:start + layer.v.chunk], cols)
+                start += layer.v.chunk
             else:
                 _, planes, scale, zero = piece
                 n, width = planes[0].shape[1], planes[0].shape[3]
