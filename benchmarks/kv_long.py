@@ -97,6 +97,7 @@ DEFAULTS = {
     "passkey_depths": [0.1, 0.3, 0.5, 0.7, 0.9],
     "passkey_new_tokens": 8,
     "passkey_rows": None,  # None: every row of `caches`; else a list of their names (passkey is most of the run's time)
+    "timing_rows": None,  # the same for the timing section (every row timed builds its model)
     "sections": ["ppl", "timing", "passkey"],
     "results_dir": None,  # None: benchmarks/results
     "results_name": "kv_long",
@@ -344,9 +345,9 @@ def check(cfg) -> None:
     unknown = sorted(set(cfg["sections"]) - set(SECTIONS))
     if unknown:
         raise SystemExit(f"sections: unknown {unknown}; allowed: {list(SECTIONS)}")
-    unknown = sorted(set(cfg["passkey_rows"] or ()) - set(cfg["caches"]))
+    unknown = sorted((set(cfg["passkey_rows"] or ()) | set(cfg["timing_rows"] or ())) - set(cfg["caches"]))
     if unknown:
-        raise SystemExit(f"passkey_rows: {unknown} are not rows of caches ({sorted(cfg['caches'])})")
+        raise SystemExit(f"passkey_rows / timing_rows: {unknown} are not rows of caches ({sorted(cfg['caches'])})")
     if "dynamic" not in cfg["caches"] or cfg["caches"]["dynamic"].get("kind") != "dynamic":
         raise SystemExit("caches: a row named 'dynamic' of kind 'dynamic' is needed (every ratio is against it)")
 
@@ -413,7 +414,8 @@ def run(cfg) -> dict:
                     continue
                 live = {}
                 refused = {}
-                for row in cfg["caches"]:
+                timed = cfg["timing_rows"] or list(cfg["caches"])
+                for row in timed:
                     model, make, info = get(row)
                     if model is None:
                         refused[row] = info["refused"]
@@ -421,7 +423,7 @@ def run(cfg) -> dict:
                         live[row] = (model, make)
                 t0 = time.perf_counter()
                 ms = timing_at(live, ids, length, steps)
-                for row in cfg["caches"]:
+                for row in timed:
                     r = {"model": model_name, "row": row, "length": length, "steps": steps}
                     r.update({"ms_per_token": ms[row], "vs_dynamic": ms[row] / ms["dynamic"]} if row in ms
                              else {"refused": refused[row]})

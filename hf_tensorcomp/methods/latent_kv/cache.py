@@ -126,7 +126,10 @@ class _Latents:
         b, g, r = chunk.shape
         q = quantize_rtn(chunk.transpose(1, 2).reshape(b * r, g), self.bits, g)
         codes = _pack_planes(q.codes.view(b * r, g), self.bits).view(b, 1, r, -1)
-        scale, zero = q.scale.view(b, 1, r), q.zero.view(b, 1, r)
+        self._keep(codes, q.scale.view(b, 1, r), q.zero.view(b, 1, r))
+
+    def _keep(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Append newly quantized tokens' codes, scales and zero points (along dim 1) to those held."""
         if self.codes is None:
             self.codes, self.scale, self.zero = codes, scale, zero
         else:
@@ -313,6 +316,7 @@ class _KernelKeys(_Latents):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.norm: torch.Tensor | None = None  # (b, R) float16
+        self.signs: torch.Tensor | None = None  # the rotation's (R_pad,) int8, the same for every stream of its width
         # codes (b, tokens, R_pad / 2) uint8 in the kernel's layout; scale, zero (b, tokens, R_pad / key_group)
 
     @property
@@ -326,16 +330,12 @@ class _KernelKeys(_Latents):
             self.norm = seen.float().pow(2).mean(1).sqrt().clamp_min(1e-6).to(torch.float16)
         kg = key_group(r)
         rp = -(-r // kg) * kg
-        u = rotate(torch.nn.functional.pad(chunk.float() / self.norm.float()[:, None], (0, rp - r)), rotation_signs(rp), kg)
+        if self.signs is None:
+            self.signs = rotation_signs(rp)
+        u = rotate(torch.nn.functional.pad(chunk.float() / self.norm.float()[:, None], (0, rp - r)), self.signs, kg)
         q = quantize_rtn(u.reshape(-1, kg), self.bits, kg)
         codes = _int4_pack(q.codes.view(b, g, rp))
-        scale, zero = q.scale.view(b, g, -1), q.zero.view(b, g, -1)
-        if self.codes is None:
-            self.codes, self.scale, self.zero = codes, scale, zero
-        else:
-            self.codes = torch.cat([self.codes, codes], 1)
-            self.scale = torch.cat([self.scale, scale], 1)
-            self.zero = torch.cat([self.zero, zero], 1)
+        self._keep(codes, q.scale.view(b, g, -1), q.zero.view(b, g, -1))
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, M, R_pad) times the quantized tokens' normalised latents: (b, M, tokens)."""
@@ -345,14 +345,14 @@ class _KernelKeys(_Latents):
         """ql (b, M, R_cols), queries in the latent columns `cols`, against every quantized token: (b, M, tokens)."""
         x = ql.new_zeros(ql.shape[0], ql.shape[1], self.codes.shape[2] * 2)
         x[..., cols] = ql * self.norm[:, None, cols].to(ql.dtype)
-        return self._product(rotate(x, rotation_signs(x.shape[-1]), key_group(self.norm.shape[1])))
+        return self._product(rotate(x, self.signs, key_group(self.norm.shape[1])))
 
     def _read_body(self, start: int, end: int, dtype) -> torch.Tensor:
         parts, nq = [], self.n_quantized
         if start < nq:
             b, r = self.norm.shape
             eye = torch.eye(self.codes.shape[2] * 2, dtype=dtype).expand(b, -1, -1)
-            z = unrotate(self._product(eye).transpose(1, 2), rotation_signs(eye.shape[-1]), key_group(r))
+            z = unrotate(self._product(eye).transpose(1, 2), self.signs, key_group(r))
             z = z[..., :r] * self.norm[:, None].to(dtype)
             parts.append(z[:, start:min(end, nq)])
         if end > nq:
