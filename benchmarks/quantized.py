@@ -190,8 +190,12 @@ ROWS["qlr_bytes_0.21_measured_mix_c128"] = {**ROWS["qlr_bytes_0.21_measured_mix"
 # library's default (calibration None: the library's own, both bundled corpora), beside the uniform setting that
 # budget holds (4-bit codes everywhere, no correction) on the same calibration; past the loop above, so none of the
 # older rows' settings apply
-ROWS["qlr_bytes_0.27_defaults"] = {"method": "qlr", "target_bytes": 0.27, "calibration": None}
-ROWS["qlr4_r0_defaults"] = {"method": "qlr", "bits": 4, "rank": 0, "calibration": None}
+# (calibration_samples None: the library's own count too, 128 windows for qlr; the `_c32` rows are the same at the
+# 32 windows that were the default before)
+ROWS["qlr_bytes_0.27_defaults"] = {"method": "qlr", "target_bytes": 0.27, "calibration": None, "calibration_samples": None}
+ROWS["qlr4_r0_defaults"] = {"method": "qlr", "bits": 4, "rank": 0, "calibration": None, "calibration_samples": None}
+ROWS["qlr_bytes_0.27_defaults_c32"] = {**ROWS["qlr_bytes_0.27_defaults"], "calibration_samples": 32}
+ROWS["qlr4_r0_defaults_c32"] = {**ROWS["qlr4_r0_defaults"], "calibration_samples": 32}
 
 
 def _linear_bytes(model) -> tuple[int, int]:
@@ -399,7 +403,7 @@ def _one(job: dict, q) -> None:
         cfg = TensorCompressionConfig(progress=False, calibration=calibration, calibration_samples=samples,
                                       calibration_length=job["calibration_length"], **fields)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg)
-        row["calibration_samples"] = samples
+        row["calibration_samples"] = model.config.quantization_config.calibration_samples  # None: the library's count
         st = model.config.quantization_config.stats
         mods = st["modules"].values()
         row["bits"] = sorted({m["bits"] for m in mods if "bits" in m})
@@ -538,7 +542,9 @@ def header(cfg: dict) -> str:
         "Rows ending in `_rot`: `rotate=True` (each matrix quantized in a random block-Hadamard basis of its inputs, "
         "the layer rotating its input). Rows ending in `_mix` calibrate on both corpora; rows ending in `_defaults` "
         "(`qlr_bytes_0.27_defaults`: `TensorCompressionConfig(method=\"qlr\", target_bytes=0.27)` and nothing else; "
-        "`qlr4_r0_defaults`: `bits=4, rank=0`) on the library's default calibration text, both corpora. "
+        "`qlr4_r0_defaults`: `bits=4, rank=0`) on the library's default calibration text, both corpora, and its "
+        "default window count (128 for qlr); rows ending in `_defaults_c32`: the same at 32 windows, the default when "
+        "they were measured (other_prose.md holds the defaults at 128 windows on these corpora as well). "
         "Written by benchmarks/quantized.py.\n\n"
     )
 

@@ -526,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibration", default=None,
                    help="calibration text: wikipedia | owt | wikipedia+owt (their calib splits) or a text file (one paragraph per line); "
                         "default: wikipedia+owt where the method needs text")
-    c.add_argument("--calibration-samples", type=int, default=32, help="calibration windows (default 32)")
+    c.add_argument("--calibration-samples", type=int, default=None,
+                   help="calibration windows (default: the method's, 32; 128 for qlr)")
     c.add_argument("--calibration-length", type=int, default=256, help="tokens per calibration window (default 256)")
     c.add_argument("--no-propagate", action="store_true", help="calibrate every layer on the dense model's activations")
     c.add_argument("--targets", nargs="+", default=None, help="module-name patterns, e.g. 'mlp.*'")

@@ -154,7 +154,7 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         entries: list | None = None,
         progress: bool = True,
         calibration=None,
-        calibration_samples: int = 32,
+        calibration_samples: int | None = None,
         calibration_length: int = 256,
         calibration_batch_size: int = 8,
         calibration_seed: int = 0,
@@ -201,6 +201,8 @@ class TensorCompressionConfig(QuantizationConfigMixin):
             fail("progress", progress, "True | False")
         self.progress = progress
         self.calibration = validate_calibration(calibration)
+        if calibration_samples is None:  # the methods' own count: 32 windows, 128 for qlr
+            calibration_samples = max(get_method(e.method).calibration_samples for e in self.entries)
         for field, value, lo in (("calibration_samples", calibration_samples, 1), ("calibration_length", calibration_length, 2),
                                  ("calibration_batch_size", calibration_batch_size, 1)):
             if not is_int(value, lo):

@@ -51,6 +51,18 @@ def test_defaults_and_single_entry_view():
     assert c.entries[0].targets == ["mlp.*"] and c.entries[0].layers == [-1]
 
 
+def test_calibration_windows_default_to_the_methods_and_the_config_records_the_count():
+    """32 windows unless a method asks for more (qlr: 128); a config of several entries takes the largest; a
+    count given (or read back from a saved config, where the resolved count is written) is kept."""
+    assert TensorCompressionConfig(method="laser", rank=8).calibration_samples == 32
+    assert TensorCompressionConfig(method="qlr", target_bytes=0.27).calibration_samples == 128
+    both = TensorCompressionConfig(entries=[{"method": "laser", "rank": 8}, {"method": "qlr", "bits": 4, "rank": 0}])
+    assert both.calibration_samples == 128
+    c = TensorCompressionConfig(method="qlr", bits=4, rank=0, calibration_samples=32)
+    assert c.calibration_samples == 32
+    assert TensorCompressionConfig.from_dict(json.loads(c.to_json_string())).calibration_samples == 32
+
+
 def test_round_trip_through_dict_json_and_config_json(tmp_path, tiny_dirs):
     c = TensorCompressionConfig(entries=[
         {"method": "laser", "rank": 8, "targets": ["self_attn.*"], "layers": [0]},

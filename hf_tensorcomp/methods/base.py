@@ -139,6 +139,9 @@ class Method:
     name: str = ""
     default_targets: tuple[str, ...] = ()
     default_rank: Any = None
+    #: calibration windows drawn when the config names none (``calibration_samples=None``); a config with several
+    #: entries takes the largest of theirs
+    calibration_samples: int = 32
     #: the budget used when neither rank nor target is given (methods whose natural unit is a budget)
     default_target: Any = None
     uses_rank: bool = True
