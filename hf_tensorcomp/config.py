@@ -130,6 +130,8 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         progress: show tqdm progress bars while compressing.
         calibration: the text the calibrated methods and options fit to (README: Calibration); when they
             need some and none is given, ``"wikipedia+owt"`` (both bundled corpora, paragraphs alternating).
+        calibration_samples: windows of ``calibration_length`` tokens drawn from it; None (default): the
+            methods' own count, 32, or 128 for ``qlr`` (the largest of a config's entries); the count used is saved.
         heal: False (default), True or a dict of `hf_tensorcomp.heal_settings.HEAL_DEFAULTS` settings: after
             compression, distil the model toward the dense one on the calibration text (`hf_tensorcomp.heal`).
         embedding_bits: None (default: the input embedding and the head stay as they are) | 8 | 4: store
