@@ -212,16 +212,20 @@ class _Latents:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def _int4_product(x: torch.Tensor, packed: torch.Tensor, group: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """x (b, M, K) times the codes `packed` (b, N, K/2, the CPU int4 kernel's layout of N rows of K codes) as
-    (codes - zero) · scale, scale and zero (b, K / group, N): (b, M, N) in x's dtype. PyTorch's
-    ``_weight_int4pack_mm_for_cpu`` reads the codes in place (bfloat16 products, its de-quantization
-    (q - 8) · s + z with z = (8 - zero) · s); no float copy of the codes is made."""
-    s = scale.to(torch.bfloat16)
-    sz = torch.stack([s, (8 - zero.to(torch.bfloat16)) * s], -1)
+def _int4_product(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
+    """x (b, M, K) times the codes `packed` (b, N, K/2, the CPU int4 kernel's layout of N rows of K codes),
+    de-quantized by `sz` (b, K / group, N, 2; `_int4_scales`): (b, M, N) in x's dtype. PyTorch's
+    ``_weight_int4pack_mm_for_cpu`` reads the codes in place (bfloat16 products); no float copy of them is made."""
     xb = x.to(torch.bfloat16)
-    return torch.stack([torch.ops.aten._weight_int4pack_mm_for_cpu(xb[j].contiguous(), packed[j], group, sz[j].contiguous())
+    return torch.stack([torch.ops.aten._weight_int4pack_mm_for_cpu(xb[j].contiguous(), packed[j], group, sz[j])
                         for j in range(x.shape[0])]).to(x.dtype)
+
+
+def _int4_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The kernel's (scale, offset) pairs, bfloat16 (..., 2), for codes read as (q - zero) · scale: its
+    de-quantization is (q - 8) · s + z, so z = (8 - zero) · s."""
+    s = scale.to(torch.bfloat16)
+    return torch.stack([s, (8 - zero.to(torch.bfloat16)) * s], -1)
 
 
 def _int4_pack(codes: torch.Tensor) -> torch.Tensor:
@@ -245,7 +249,10 @@ class _KernelValues(_Latents):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.chunk = CHUNK  # tokens a closed chunk holds
-        self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (packed, scale, zero)
+        self.width = 0  # R, the latent's channels (the kernel's rows are R padded to a multiple of 16)
+        # (packed codes (b, R16, chunk / 2), the kernel's scales (b, chunk / group, R16, 2) bfloat16: one byte more a
+        # group and channel than a float16 scale and a uint8 zero point, built once rather than at every step)
+        self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def n_chunked(self) -> int:
@@ -256,16 +263,16 @@ class _KernelValues(_Latents):
         if self.n_quantized == self.chunk:
             b, n, r, _ = self.codes.shape
             c = torch.cat(_planes(self.codes, self.bits, self.group), -1).permute(0, 2, 1, 3).reshape(b, r, n * self.group)
-            c = torch.nn.functional.pad(c, (0, 0, 0, -r % 16), value=8)
-            self.chunks.append((_int4_pack(c), self.scale, self.zero))
-            self.codes = self.scale = self.zero = None
+            pad = -r % 16
+            c = torch.nn.functional.pad(c, (0, 0, 0, pad), value=8)
+            sz = torch.nn.functional.pad(_int4_scales(self.scale, self.zero), (0, 0, 0, pad))
+            self.chunks.append((_int4_pack(c), sz))
+            self.width, self.codes, self.scale, self.zero = r, None, None, None
 
     def chunk_product(self, i: int, x: torch.Tensor, cols: slice) -> torch.Tensor:
         """x (b, M, chunk) times chunk `i`'s latents (chunk, R), columns `cols`: (b, M, R_cols)."""
-        packed, scale, zero = self.chunks[i]
-        r, pad = scale.shape[2], packed.shape[1] - scale.shape[2]
-        scale, zero = (torch.nn.functional.pad(t, (0, pad)) for t in (scale, zero))
-        return _int4_product(x, packed, self.group, scale, zero)[..., :r][..., cols]
+        packed, sz = self.chunks[i]
+        return _int4_product(x, packed, self.group, sz)[..., :self.width][..., cols]
 
     def _read_body(self, start: int, end: int, dtype) -> torch.Tensor:
         parts, nc, c = [], self.n_chunked, self.chunk
@@ -317,7 +324,9 @@ class _KernelKeys(_Latents):
         super().__init__(*args, **kwargs)
         self.norm: torch.Tensor | None = None  # (b, R) float16
         self.signs: torch.Tensor | None = None  # the rotation's (R_pad,) int8, the same for every stream of its width
-        # codes (b, tokens, R_pad / 2) uint8 in the kernel's layout; scale, zero (b, tokens, R_pad / key_group)
+        # codes (b, tokens, R_pad / 2) uint8 in the kernel's layout; scale: the kernel's scales (b, R_pad / key_group,
+        # tokens, 2) bfloat16 (4 bytes a token and group, against 3 for a float16 scale and a uint8 zero point; built
+        # once rather than at every step); zero: None
 
     @property
     def n_quantized(self) -> int:
@@ -335,11 +344,13 @@ class _KernelKeys(_Latents):
         u = rotate(torch.nn.functional.pad(chunk.float() / self.norm.float()[:, None], (0, rp - r)), self.signs, kg)
         q = quantize_rtn(u.reshape(-1, kg), self.bits, kg)
         codes = _int4_pack(q.codes.view(b, g, rp))
-        self._keep(codes, q.scale.view(b, g, -1), q.zero.view(b, g, -1))
+        sz = _int4_scales(q.scale.view(b, g, -1), q.zero.view(b, g, -1)).transpose(1, 2).contiguous()
+        self.codes = codes if self.codes is None else torch.cat([self.codes, codes], 1)
+        self.scale = sz if self.scale is None else torch.cat([self.scale, sz], 2)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, M, R_pad) times the quantized tokens' normalised latents: (b, M, tokens)."""
-        return _int4_product(x, self.codes, key_group(self.norm.shape[1]), self.scale.transpose(1, 2), self.zero.transpose(1, 2))
+        return _int4_product(x, self.codes, key_group(self.norm.shape[1]), self.scale)
 
     def scores(self, ql: torch.Tensor, cols: slice) -> torch.Tensor:
         """ql (b, M, R_cols), queries in the latent columns `cols`, against every quantized token: (b, M, tokens)."""
