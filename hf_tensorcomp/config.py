@@ -37,6 +37,7 @@ MODES = ("factorized", "dense")
 FACTOR_BITS = (None, 8, 4)
 DEFAULT_GROUP_SIZE = 128
 ENTRY_FIELDS = ("method", "rank", "target", "targets", "layers", "mode")
+# the calibration settings a saved config records (calibration_samples: None resolves to the methods' count)
 CALIBRATION_DEFAULTS = {"calibration_samples": 32, "calibration_length": 256, "calibration_batch_size": 8,
                         "calibration_seed": 0, "propagate": True}
 

@@ -14,6 +14,9 @@ the new tokens' latents there and then
   never rebuilt: the attention weights multiply the value latents (R_v numbers a token), and each head's
   up-projection is applied once to that weighted sum (plus the bias: the weights sum to one).
 
+On the CPU the cache lays 4-bit latents out for PyTorch's int4 kernel (`cache._KernelKeys`, `cache._KernelValues`):
+their pieces ``("tokens",)`` and ``("chunk", i)`` are one kernel call each, the codes read in place.
+
 Grouped-query attention: the queries of one KV head are scored together against that head's keys. With any
 other cache (a plain forward makes a DynamicCache) the function is transformers' SDPA attention.
 
