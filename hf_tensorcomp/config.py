@@ -209,7 +209,7 @@ class TensorCompressionConfig(QuantizationConfigMixin):
         for field, value, lo in (("calibration_samples", calibration_samples, 1), ("calibration_length", calibration_length, 2),
                                  ("calibration_batch_size", calibration_batch_size, 1)):
             if not is_int(value, lo):
-                fail(field, value, f"an int >= {lo}")
+                fail(field, value, f"an int >= {lo}" + (" (or None: the method's count)" if field == "calibration_samples" else ""))
         if not is_int(calibration_seed):
             fail("calibration_seed", calibration_seed, "an int")
         if not isinstance(propagate, bool):
