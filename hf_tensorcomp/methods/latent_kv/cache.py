@@ -150,16 +150,19 @@ class _Latents:
         """Latents [start, end) of the open codes and the tail (indices past the head)."""
         parts, nq = [], self.n_quantized
         if start < nq:
-            g0, g1 = start // self.group, -(-min(end, nq) // self.group)
-            codes = self.codes[:, g0:g1]
-            b, n, r, _ = codes.shape
-            c = torch.cat(_planes(codes, self.bits, self.group), -1).to(dtype)
-            z = (c - self.zero[:, g0:g1, :, None].to(dtype)) * self.scale[:, g0:g1, :, None].to(dtype)
-            z = z.transpose(2, 3).reshape(b, n * self.group, r)
-            parts.append(z[:, start - g0 * self.group: min(end, nq) - g0 * self.group])
+            parts.append(self._read_codes(start, min(end, nq), dtype))
         if end > nq:
             parts.append(self.tail[:, max(start - nq, 0): end - nq].to(dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+    def _read_codes(self, start: int, end: int, dtype) -> torch.Tensor:
+        """Latents [start, end) of the open codes (indices into them), de-quantized."""
+        g0, g1 = start // self.group, -(-end // self.group)
+        codes = self.codes[:, g0:g1]
+        b, n, r, _ = codes.shape
+        c = torch.cat(_planes(codes, self.bits, self.group), -1).to(dtype)
+        z = (c - self.zero[:, g0:g1, :, None].to(dtype)) * self.scale[:, g0:g1, :, None].to(dtype)
+        return z.transpose(2, 3).reshape(b, n * self.group, r)[:, start - g0 * self.group: end - g0 * self.group]
 
     def pieces(self, dtype) -> list[tuple]:
         """Everything held, oldest first, in the form the attention multiplies without a dense copy of the
@@ -325,6 +328,7 @@ class _KernelKeys(_Latents):
         super().__init__(*args, **kwargs)
         self.norm: torch.Tensor | None = None  # (b, R) float16
         self.signs: torch.Tensor | None = None  # the rotation's (R_pad,) int8, the same for every stream of its width
+        self.key_group = 0  # channels sharing a scale pair (`key_group`), fixed when the first group is quantized
         # codes (b, tokens, R_pad / 2) uint8 in the kernel's layout; scale: the kernel's scales (b, R_pad / key_group,
         # tokens, 2) bfloat16 (4 bytes a token and group, against 3 for a float16 scale and a uint8 zero point; built
         # once rather than at every step); zero: None
@@ -338,7 +342,7 @@ class _KernelKeys(_Latents):
         if self.norm is None:  # every token seen so far (the tail holds `chunk`)
             seen = self.tail if self.head is None else torch.cat([self.head, self.tail], 1)
             self.norm = seen.float().pow(2).mean(1).sqrt().clamp_min(1e-6).to(torch.float16)
-        kg = key_group(r)
+        kg = self.key_group = key_group(r)
         rp = -(-r // kg) * kg
         if self.signs is None:
             self.signs = rotation_signs(rp)
@@ -351,25 +355,19 @@ class _KernelKeys(_Latents):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, M, R_pad) times the quantized tokens' normalised latents: (b, M, tokens)."""
-        return _int4_product(x, self.codes, key_group(self.norm.shape[1]), self.scale)
+        return _int4_product(x, self.codes, self.key_group, self.scale)
 
     def scores(self, ql: torch.Tensor, cols: slice) -> torch.Tensor:
         """ql (b, M, R_cols), queries in the latent columns `cols`, against every quantized token: (b, M, tokens)."""
         x = ql.new_zeros(ql.shape[0], ql.shape[1], self.codes.shape[2] * 2)
         x[..., cols] = ql * self.norm[:, None, cols].to(ql.dtype)
-        return self._product(rotate(x, self.signs, key_group(self.norm.shape[1])))
+        return self._product(rotate(x, self.signs, self.key_group))
 
-    def _read_body(self, start: int, end: int, dtype) -> torch.Tensor:
-        parts, nq = [], self.n_quantized
-        if start < nq:
-            b, r = self.norm.shape
-            eye = torch.eye(self.codes.shape[2] * 2, dtype=dtype).expand(b, -1, -1)
-            z = unrotate(self._product(eye).transpose(1, 2), self.signs, key_group(r))
-            z = z[..., :r] * self.norm[:, None].to(dtype)
-            parts.append(z[:, start:min(end, nq)])
-        if end > nq:
-            parts.append(self.tail[:, max(start - nq, 0): end - nq].to(dtype))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    def _read_codes(self, start: int, end: int, dtype) -> torch.Tensor:
+        b, r = self.norm.shape
+        eye = torch.eye(self.codes.shape[2] * 2, dtype=dtype).expand(b, -1, -1)
+        z = unrotate(self._product(eye).transpose(1, 2), self.signs, self.key_group)
+        return z[:, start:end, :r] * self.norm[:, None].to(dtype)
 
     def pieces(self, dtype) -> list[tuple]:
         """The head and the tail as in `_Latents.pieces`; the quantized tokens as ``("tokens",)`` (`scores`)."""
