@@ -225,14 +225,14 @@ def score_document(model, make, ids: torch.Tensor, context: int) -> dict:
     single-token teacher-forced step; bytes held at the end; median step time."""
     cache = make()
     logits = prefill(model, ids[:, :context], cache)
-    nll = torch.nn.functional.cross_entropy(logits, ids[:, context], reduction="sum").item()
+    nlls = [torch.nn.functional.cross_entropy(logits, ids[:, context], reduction="sum").item()]
     times = []
     for t in range(context, ids.shape[1] - 1):
         t0 = time.perf_counter()
         logits = step(model, ids[:, t:t + 1], cache)
         times.append(time.perf_counter() - t0)
-        nll += torch.nn.functional.cross_entropy(logits, ids[:, t + 1], reduction="sum").item()
-    return {"nll": nll, "count": ids.shape[1] - context, "bytes": held_bytes(cache), "held_tokens": ids.shape[1] - 1,
+        nlls.append(torch.nn.functional.cross_entropy(logits, ids[:, t + 1], reduction="sum").item())
+    return {"nll": sum(nlls), "nlls": nlls, "count": ids.shape[1] - context, "bytes": held_bytes(cache), "held_tokens": ids.shape[1] - 1,
             "step_ms": statistics.median(times) * 1e3 if times else None}
 
 
@@ -394,6 +394,7 @@ def run(cfg) -> dict:
                     held = statistics.fmean(p["bytes"] for p in per_doc)
                     out.update({"ppl": math.exp(nll / count), "tokens_scored": count,
                                 "doc_nll": [p["nll"] / p["count"] for p in per_doc],
+                                "token_nll": [round(x, 5) for p in per_doc for x in p["nlls"]],
                                 "bytes": held, "bytes_vs_bf16": held / ref_bf16,
                                 f"bytes_vs_{str(rows.dense.dtype).split('.')[-1]}": held / ref_dtype,
                                 "step_ms_at_context": statistics.median(p["step_ms"] for p in per_doc),
@@ -401,7 +402,7 @@ def run(cfg) -> dict:
                 res["ppl"].append(out)
                 save_results(cfg, res)
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()
-                                  if k != "doc_nll"}), flush=True)
+                                  if k not in ("doc_nll", "token_nll")}), flush=True)
 
         # ---- decode time against the context length
         if "timing" in cfg["sections"]:
@@ -467,6 +468,15 @@ def run(cfg) -> dict:
 # report
 # --------------------------------------------------------------------------------------------
 
+def paired_se(nll: list | None, base: list | None, ratio: float | None) -> float | None:
+    """The standard error of a perplexity ratio to DynamicCache's, from the per-token differences of NLL on the
+    same tokens (ratio = exp(mean difference); se ≈ ratio · sd / sqrt(n)); None where a row lacks the tokens."""
+    if not nll or not base or ratio is None or len(nll) != len(base) or len(nll) < 2:
+        return None
+    d = [a - b for a, b in zip(nll, base)]
+    return ratio * statistics.stdev(d) / math.sqrt(len(d))
+
+
 def summary_rows(res: dict) -> list[dict]:
     """The goals table (issue 82, item 5): per model and cache, bytes vs bf16 (and vs the model's dtype),
     perplexity vs DynamicCache, ms / token vs DynamicCache at the scored context and at 4,096 tokens,
@@ -477,6 +487,7 @@ def summary_rows(res: dict) -> list[dict]:
         tim = {(r["row"], r["length"]): r for r in res["timing"] if r["model"] == model}
         pk = {r["row"]: r for r in res["passkey"] if r["model"] == model}
         base = ppl.get("dynamic", {}).get("ppl")
+        base_tokens = ppl.get("dynamic", {}).get("token_nll")
         base_ms = ppl.get("dynamic", {}).get("step_ms_at_context")
         rows = list(dict.fromkeys([*ppl, *(k[0] for k in tim), *pk]))
         at4096 = 4096 if any(k[1] == 4096 for k in tim) else max((k[1] for k in tim), default=None)
@@ -486,6 +497,7 @@ def summary_rows(res: dict) -> list[dict]:
             fp = next((v for key, v in p.items() if key.startswith("bytes_vs_") and key != "bytes_vs_bf16"), None)
             r = {"model": model, "row": row, "bytes_vs_bf16": p.get("bytes_vs_bf16"), "bytes_vs_dtype": fp,
                  "ppl": p.get("ppl"), "ppl_vs_dynamic": p["ppl"] / base if p.get("ppl") and base else None,
+                 "ppl_ratio_se": paired_se(p.get("token_nll"), base_tokens, p["ppl"] / base if p.get("ppl") and base else None),
                  "ms_vs_dynamic": (p["step_ms_at_context"] / base_ms if p.get("step_ms_at_context") and base_ms else None),
                  "ms_at_long": t.get("ms_per_token"), "ms_at_long_vs_dynamic": t.get("vs_dynamic"), "long": at4096,
                  "passkey": (f"{k['accuracy']:.2f} ± {k['se']:.2f}" if "accuracy" in k else None),
@@ -537,7 +549,8 @@ def report(res: dict, cfg: dict) -> str:
              "bfloat16 DynamicCache for the same tokens (computed; sliding-window layers at their window); the "
              "model-dtype (float32) ratio beside it. ms / token: the median decode step at the scored context "
              "(during scoring) and at the longest timing length near 4,096 (round robin over the caches). Passkey: "
-             "greedy, accuracy ± its standard error.", ""]
+             "greedy, accuracy ± its standard error. ± se (paired): the standard error of the perplexity ratio, from "
+             "the per-token NLL differences with DynamicCache on the same tokens (rows measured before it was kept: -).", ""]
     table = summary_rows(res)
     ctx = {r["model"]: r["context"] for r in res["ppl"]}
     pctx = {r["model"]: r["context"] for r in res["passkey"]}
@@ -548,6 +561,7 @@ def report(res: dict, cfg: dict) -> str:
                                         ("bytes_vs_bf16", "bytes vs bf16 Dynamic", "{:.3f}"),
                                         ("bytes_vs_dtype", "vs fp32 Dynamic", "{:.3f}"),
                                         ("ppl", "ppl", "{:.3f}"), ("ppl_vs_dynamic", "ppl vs Dynamic", "{:.3f}"),
+                                        ("ppl_ratio_se", "± se (paired)", "{:.3f}"),
                                         ("ms_vs_dynamic", "ms/token vs Dynamic (at context)", "{:.2f}"),
                                         ("long", "timing length", "{}"),
                                         ("ms_at_long_vs_dynamic", "ms/token vs Dynamic there", "{:.2f}"),

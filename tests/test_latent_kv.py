@@ -212,6 +212,24 @@ def test_error_falls_with_kv_bytes_and_ranks_follow_the_budget(tiny_dirs):
     assert sizes[0] < sizes[1] < sizes[2] and errs[0] > errs[1] > errs[2], (sizes, errs)
 
 
+def test_the_budget_picks_the_widest_code_that_keeps_every_channel(tiny_dirs, tmp_path):
+    """bits=None under kv_bytes: every latent channel kept at the widest code that fits (groups of 8: a 3-bit value
+    costs 3/8 + 3/8 bytes, 0.375 of a bf16 one), and below 2-bit's full rank (0.3125) 2-bit codes with channels
+    cut; the width chosen is recorded in the saved config and used by the cache, after a reload too."""
+    full = 32 * 2 * 3  # k and v latents of 32 dims, 3 layers
+    model = load(tiny_dirs["qwen3"], kv_bytes=0.4, group=8, window=0)
+    assert model.config.quantization_config.entries[0].options["bits"] == 3
+    assert sum(m.latent_size for m in LATENT_KEYS(model)) == full
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.config.quantization_config.entries[0].options["bits"] == 3 and LatentKVCache(again).settings["bits"] == 3
+    small = load(tiny_dirs["qwen3"], kv_bytes=0.2, group=8, window=0)
+    latents = sum(m.latent_size for m in LATENT_KEYS(small))
+    assert small.config.quantization_config.entries[0].options["bits"] == 2
+    assert latents < full and latents * (2 / 8 + 3 / 8) <= 0.2 * 2 * full + 1e-9
+    assert load(tiny_dirs["qwen3"], rank=1.0).config.quantization_config.entries[0].options["bits"] == 4
+
+
 def test_whitened_fit_minimises_the_output_error_on_the_calibration_inputs(tiny_dirs):
     """whiten=True: the recorded whitened error is the first projection's output error on the calibration inputs
     (ids of four tokens of the vocabulary here), far below the plain SVD's there; the model stays closer too."""
@@ -315,8 +333,14 @@ def test_save_reload_uses_latent_cache_without_arguments(tiny_dirs, tmp_path):
     assert [m.ranks for m in LATENT_KEYS(again)] == [m.ranks for m in LATENT_KEYS(model)]
     assert isinstance(again.model.layers[0].self_attn.k_proj, LatentKeyLinear)
     after, cache = decode_logits(again, ids, 5)
-    assert cache.settings == {"bits": 4, "group": 8, "window": 2, "sink": 16}
+    assert cache.settings == {"bits": 4, "group": 8, "window": 2, "sink": 16, "grid": "search"}
     assert torch.equal(after, before)
+    # a checkpoint written before the option (no "grid" saved) keeps the min-max range its codes were measured with
+    import json
+    conf = json.loads((tmp_path / "config.json").read_text())
+    del conf["quantization_config"]["entries"][0]["grid"]
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    assert LatentKVCache(AutoModelForCausalLM.from_pretrained(tmp_path)).settings["grid"] == "minmax"
     out = again.generate(ids[:, :4], max_new_tokens=8, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
     assert isinstance(out.past_key_values, LatentKVCache)
     assert torch.equal(out.sequences, model.generate(ids[:, :4], max_new_tokens=8, do_sample=False, pad_token_id=0))
@@ -365,7 +389,7 @@ def test_a_plain_forward_keeps_working(tiny_dirs):
     ({"kv_bytes": 0}, "kv_bytes"), ({"kv_bytes": 1.5}, "kv_bytes"), ({"kv_bytes": "0.1"}, "kv_bytes"),
     ({"bits": 7}, "bits"), ({"bits": 4.0}, "bits"), ({"bits": True}, "bits"),
     ({"group": 12}, "group"), ({"window": -1}, "window"), ({"sink": 1.5}, "sink"), ({"rank": 0}, "rank"),
-    ({"rank": 4, "kv_bytes": 0.1}, "rank"), ({"head_groups": 0}, "head_groups"), ({"whiten": "yes"}, "whiten"),
+    ({"rank": 4, "kv_bytes": 0.1}, "rank"), ({"head_groups": 0}, "head_groups"), ({"whiten": "yes"}, "whiten"), ({"grid": "mse"}, "grid"),
     ({"keys": "pre"}, "keys"),
     ({"target": 0.5}, "target"),
 ])
@@ -397,6 +421,18 @@ def test_bad_cache_settings_name_the_field(tiny_dirs):
         LatentKVCache(model, bits=1)
     with pytest.raises(ValueError, match=r"\bgroup\b.*allowed"):
         LatentKVCache(model, group=10)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_codes_come_back_from_their_planes_in_token_order(bits):
+    """Every width packs into exactly bits / 8 bytes a code (3, 5, 6: parts of widths dividing a byte) and comes
+    back as the same codes, in token order."""
+    from hf_tensorcomp.methods.latent_kv.cache import _pack_planes, _planes
+
+    codes = torch.randint(0, 2**bits, (7, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = _pack_planes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (7, 64 * bits // 8)
+    assert torch.equal(torch.cat(_planes(packed.view(1, 1, 7, -1), bits, 64), -1).view(7, 64), codes)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

@@ -30,7 +30,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from ...decompositions.hadamard import rotate, rotation_signs, unrotate
-from ...decompositions.quantize import BITS, pack, quantize_rtn, unpack
+from ...decompositions.quantize import BITS, GRIDS, quantize_rtn
 from ...layout import find_decoder_layers, head_dim
 from .layer import LatentKeyLinear, LatentKVLinear
 
@@ -53,12 +53,20 @@ class _Positions:
         return 0 if self.ids is None else self.ids.numel() * self.ids.element_size()
 
 
-def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes (rows, group) uint8 into bytes (rows, group * bits / 8). Widths that divide a byte are packed in
-    planes: byte j holds the codes of tokens j, j + group / per, ... (per = 8 / bits codes a byte), so that each
-    plane comes back with one shift or mask, in token order (`_planes`); other widths: `pack`."""
-    if 8 % bits:
-        return pack(codes.reshape(-1), bits).view(codes.shape[0], -1)
+def _parts(bits: int) -> list[tuple[int, int]]:
+    """(shift, width) of the parts a `bits`-bit code is stored in: widths that divide a byte, widest first (3 bits:
+    a 2-bit part and a 1-bit part)."""
+    out, s = [], 0
+    while s < bits:
+        w = max(p for p in (1, 2, 4, 8) if p <= bits - s)
+        out.append((s, w))
+        s += w
+    return out
+
+
+def _pack_part(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (rows, group) of a width dividing a byte into (rows, group * bits / 8) bytes, in planes: byte j holds
+    the codes of tokens j, j + group / per, ... (per = 8 / bits codes a byte)."""
     per = 8 // bits
     planes = codes.view(codes.shape[0], per, -1).to(torch.uint8)
     out = planes[:, 0].clone()
@@ -67,15 +75,32 @@ def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def _planes(codes: torch.Tensor, bits: int, group: int) -> list[torch.Tensor]:
-    """The codes of `_pack_planes`, (b, n, R, bytes), as uint8 (b, n, R, group / per) tensors, one per plane in
-    token order (their concatenation is the group's tokens); widths that do not divide a byte: one tensor."""
-    b, n, r, _ = codes.shape
-    if 8 % bits:
-        return [unpack(codes.reshape(-1), bits)[: b * n * r * group].view(b, n, r, group)]
+def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (rows, group) uint8 into bytes (rows, group * bits / 8): each part of `_parts` packed in planes
+    (`_pack_part`), the parts side by side, so that every plane comes back with one shift or mask (`_planes`)."""
+    return torch.cat([_pack_part((codes >> s) & (2**w - 1), w) for s, w in _parts(bits)], -1)
+
+
+def _split(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
     per, mask = 8 // bits, 2**bits - 1
     return [codes & mask if i == 0 else codes >> (i * bits) if i == per - 1 else (codes >> (i * bits)) & mask
             for i in range(per)]
+
+
+def _planes(codes: torch.Tensor, bits: int, group: int) -> list[torch.Tensor]:
+    """The codes of `_pack_planes`, (b, n, R, bytes), as uint8 (b, n, R, group / per) tensors, one per plane in
+    token order (their concatenation is the group's tokens); widths that do not divide a byte: one tensor, its
+    parts shifted and added."""
+    parts = _parts(bits)
+    if len(parts) == 1:
+        return _split(codes, bits)
+    c, at = None, 0
+    for s, w in parts:
+        n = group * w // 8
+        part = torch.cat(_split(codes[..., at:at + n], w), -1)
+        at += n
+        c = part if c is None else c | (part << s)
+    return [c]
 
 
 KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes the CPU int4 kernel takes
@@ -86,8 +111,8 @@ class _Latents:
     """One stream of latents (the keys' or the values'): the first `sink` tokens in 16 bits, quantized groups of
     tokens, then a 16-bit tail (the window)."""
 
-    def __init__(self, bits: int, group: int, window: int, sink: int = 0):
-        self.bits, self.group, self.window, self.sink = bits, group, window, sink
+    def __init__(self, bits: int, group: int, window: int, sink: int = 0, grid: str = "minmax"):
+        self.bits, self.group, self.window, self.sink, self.grid = bits, group, window, sink, grid
         self.head: torch.Tensor | None = None  # (b, <= sink, R)
         self.codes = self.scale = self.zero = None  # (b, groups, R, group*bits/8) uint8; (b, groups, R) f16 / uint8
         self.tail: torch.Tensor | None = None  # (b, tokens, R): float16 beside codes, else the model's dtype
@@ -124,7 +149,7 @@ class _Latents:
 
     def _quantize(self, chunk: torch.Tensor) -> None:
         b, g, r = chunk.shape
-        q = quantize_rtn(chunk.transpose(1, 2).reshape(b * r, g), self.bits, g)
+        q = quantize_rtn(chunk.transpose(1, 2).reshape(b * r, g), self.bits, g, self.grid)
         codes = _pack_planes(q.codes.view(b * r, g), self.bits).view(b, 1, r, -1)
         self._keep(codes, q.scale.view(b, 1, r), q.zero.view(b, 1, r))
 
@@ -347,7 +372,7 @@ class _KernelKeys(_Latents):
         if self.signs is None:
             self.signs = rotation_signs(rp)
         u = rotate(torch.nn.functional.pad(chunk.float() / self.norm.float()[:, None], (0, rp - r)), self.signs, kg)
-        q = quantize_rtn(u.reshape(-1, kg), self.bits, kg)
+        q = quantize_rtn(u.reshape(-1, kg), self.bits, kg, self.grid)
         codes = _int4_pack(q.codes.view(b, g, rp))
         sz = _int4_scales(q.scale.view(b, g, -1), q.zero.view(b, g, -1)).transpose(1, 2).contiguous()
         self.codes = codes if self.codes is None else torch.cat([self.codes, codes], 1)
@@ -389,9 +414,10 @@ class LatentKVLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, positions: _Positions, bits: int = 4, group: int = 64, window: int = 64, sink: int = 16,
-                 sliding_window: int | None = None, rotated_keys: bool = False):
+                 grid: str = "search", sliding_window: int | None = None, rotated_keys: bool = False):
         super().__init__()
         self.positions, self.bits, self.group, self.window, self.sink = positions, bits, group, window, sink
+        self.grid = grid
         self.rotated_keys = rotated_keys  # keys latent after RoPE (scored in place; before RoPE they are rebuilt)
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
@@ -399,8 +425,8 @@ class LatentKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = None
-        self.k = _Latents(self.bits, self.group, self.window, self.sink)
-        self.v = _Latents(self.bits, self.group, self.window, self.sink)
+        self.k = _Latents(self.bits, self.group, self.window, self.sink, self.grid)
+        self.v = _Latents(self.bits, self.group, self.window, self.sink, self.grid)
         self.offset = 0  # tokens forgotten at the front (sliding-window layers)
         self.seen = 0  # every token ever added
         self.pending = None  # the dense states of the tokens being added, until the attention takes them
@@ -411,8 +437,8 @@ class LatentKVLayer(CacheLayerMixin):
         self.is_initialized = True
         if not self.is_sliding and kernel_ready(self.bits, self.group, self.device):
             if self.rotated_keys:
-                self.k = _KernelKeys(self.bits, self.group, self.window, self.sink)
-            self.v = _KernelValues(self.bits, self.group, self.window, self.sink)
+                self.k = _KernelKeys(self.bits, self.group, self.window, self.sink, self.grid)
+            self.v = _KernelValues(self.bits, self.group, self.window, self.sink, self.grid)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -485,10 +511,10 @@ class LatentKVCache(Cache):
     not latent get transformers' own dynamic layers."""
 
     def __init__(self, model, bits: int | None = None, group: int | None = None, window: int | None = None,
-                 sink: int | None = None):
+                 sink: int | None = None, grid: str | None = None):
         cfg = model.config.get_text_config(decoder=True)
         found = latent_layers(model)
-        given = {"bits": bits, "group": group, "window": window, "sink": sink}
+        given = {"bits": bits, "group": group, "window": window, "sink": sink, "grid": grid}
         self.settings = {k: v if given[k] is None else given[k] for k, v in latent_settings(model).items()}
         _check_settings(self.settings)
         self.token_positions = _Positions()
@@ -564,11 +590,12 @@ def latent_layers(model: nn.Module) -> dict[int, nn.Module]:
 
 
 #: the cache settings a model uses when its config says nothing
-CACHE_DEFAULTS = {"bits": 4, "group": 64, "window": 64, "sink": 16}
+CACHE_DEFAULTS = {"bits": 4, "group": 64, "window": 64, "sink": 16, "grid": "search"}
 
 
 def latent_settings(model: nn.Module) -> dict:
-    """The cache settings of the model's latent_kv entry (its options ``bits``, ``group``, ``window``, ``sink``)."""
+    """The cache settings of the model's latent_kv entry (its options ``bits``, ``group``, ``window``, ``sink``,
+    ``grid``)."""
     cfg = getattr(model.config, "quantization_config", None)
     for e in getattr(cfg, "entries", None) or ():
         if getattr(e, "method", None) == "latent_kv":
@@ -590,3 +617,6 @@ def _check_settings(s: dict) -> None:
         fail("window", s["window"], "an int >= 0 (recent tokens kept in full precision)")
     if not is_int(s["sink"], 0):
         fail("sink", s["sink"], "an int >= 0 (the first tokens, attention sinks, kept in 16 bits)")
+    if s["grid"] not in GRIDS:
+        fail("grid", s["grid"], " | ".join(map(repr, GRIDS)) + " (each group's range: searched for the least round-trip "
+             "error, or its min and max)")
