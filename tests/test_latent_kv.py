@@ -212,22 +212,32 @@ def test_error_falls_with_kv_bytes_and_ranks_follow_the_budget(tiny_dirs):
     assert sizes[0] < sizes[1] < sizes[2] and errs[0] > errs[1] > errs[2], (sizes, errs)
 
 
-def test_the_budget_picks_the_widest_code_that_keeps_every_channel(tiny_dirs, tmp_path):
-    """bits=None under kv_bytes: every latent channel kept at the widest code that fits (groups of 8: a 3-bit value
-    costs 3/8 + 3/8 bytes, 0.375 of a bf16 one), and below 2-bit's full rank (0.3125) 2-bit codes with channels
-    cut; the width chosen is recorded in the saved config and used by the cache, after a reload too."""
+def test_the_budget_picks_the_widest_codes_that_keep_every_channel(tiny_dirs, tmp_path):
+    """bits=None under kv_bytes: every latent channel kept at the widest (key_bits, bits) pair that fits, the values
+    narrowed first (groups of 8: a b-bit value costs b/8 + 3/8 bytes; keys at 4 bits and values at 2 cost
+    (0.875 + 0.625) / 4 = 0.375 of a bf16 cache), and below two 2-bit streams (0.3125) 2-bit codes with channels
+    cut; the widths chosen are recorded in the saved config and used by the cache's two streams, after a reload
+    too."""
     full = 32 * 2 * 3  # k and v latents of 32 dims, 3 layers
-    model = load(tiny_dirs["qwen3"], kv_bytes=0.4, group=8, window=0)
-    assert model.config.quantization_config.entries[0].options["bits"] == 3
+    model = load(tiny_dirs["qwen3"], kv_bytes=0.38, group=8, window=0)
+    o = model.config.quantization_config.entries[0].options
+    assert (o["key_bits"], o["bits"]) == (4, 2)
     assert sum(m.latent_size for m in LATENT_KEYS(model)) == full
     model.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert again.config.quantization_config.entries[0].options["bits"] == 3 and LatentKVCache(again).settings["bits"] == 3
+    o = again.config.quantization_config.entries[0].options
+    assert (o["key_bits"], o["bits"]) == (4, 2)
+    _, cache = decode_logits(again, long_ids(n=24), 5)
+    layer = cache.layers[0]
+    assert (layer.k.bits, layer.v.bits) == (4, 2) and layer.k.n_quantized == layer.v.n_quantized > 0
+    assert layer.k.codes.shape[-1] == 2 * layer.v.codes.shape[-1]  # 4-bit codes take twice the bytes of 2-bit ones
     small = load(tiny_dirs["qwen3"], kv_bytes=0.2, group=8, window=0)
     latents = sum(m.latent_size for m in LATENT_KEYS(small))
-    assert small.config.quantization_config.entries[0].options["bits"] == 2
+    o = small.config.quantization_config.entries[0].options
+    assert (o["key_bits"], o["bits"]) == (2, 2)
     assert latents < full and latents * (2 / 8 + 3 / 8) <= 0.2 * 2 * full + 1e-9
-    assert load(tiny_dirs["qwen3"], rank=1.0).config.quantization_config.entries[0].options["bits"] == 4
+    o = load(tiny_dirs["qwen3"], rank=1.0).config.quantization_config.entries[0].options
+    assert (o["key_bits"], o["bits"]) == (4, 4)
 
 
 def test_whitened_fit_minimises_the_output_error_on_the_calibration_inputs(tiny_dirs):
@@ -333,14 +343,16 @@ def test_save_reload_uses_latent_cache_without_arguments(tiny_dirs, tmp_path):
     assert [m.ranks for m in LATENT_KEYS(again)] == [m.ranks for m in LATENT_KEYS(model)]
     assert isinstance(again.model.layers[0].self_attn.k_proj, LatentKeyLinear)
     after, cache = decode_logits(again, ids, 5)
-    assert cache.settings == {"bits": 4, "group": 8, "window": 2, "sink": 16, "grid": "search"}
+    assert cache.settings == {"bits": 4, "group": 8, "window": 2, "sink": 16, "grid": "search", "key_bits": 4}
     assert torch.equal(after, before)
-    # a checkpoint written before the option (no "grid" saved) keeps the min-max range its codes were measured with
+    # a checkpoint written before the options (no "grid", no "key_bits" saved) keeps the min-max range its codes were measured with
     import json
     conf = json.loads((tmp_path / "config.json").read_text())
-    del conf["quantization_config"]["entries"][0]["grid"]
+    for option in ("grid", "key_bits"):
+        del conf["quantization_config"]["entries"][0][option]
     (tmp_path / "config.json").write_text(json.dumps(conf))
-    assert LatentKVCache(AutoModelForCausalLM.from_pretrained(tmp_path)).settings["grid"] == "minmax"
+    settings = LatentKVCache(AutoModelForCausalLM.from_pretrained(tmp_path)).settings
+    assert settings["grid"] == "minmax" and settings["key_bits"] == settings["bits"] == 4
     out = again.generate(ids[:, :4], max_new_tokens=8, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
     assert isinstance(out.past_key_values, LatentKVCache)
     assert torch.equal(out.sequences, model.generate(ids[:, :4], max_new_tokens=8, do_sample=False, pad_token_id=0))
@@ -389,7 +401,7 @@ def test_a_plain_forward_keeps_working(tiny_dirs):
     ({"kv_bytes": 0}, "kv_bytes"), ({"kv_bytes": 1.5}, "kv_bytes"), ({"kv_bytes": "0.1"}, "kv_bytes"),
     ({"bits": 7}, "bits"), ({"bits": 4.0}, "bits"), ({"bits": True}, "bits"),
     ({"group": 12}, "group"), ({"window": -1}, "window"), ({"sink": 1.5}, "sink"), ({"rank": 0}, "rank"),
-    ({"rank": 4, "kv_bytes": 0.1}, "rank"), ({"head_groups": 0}, "head_groups"), ({"whiten": "yes"}, "whiten"), ({"grid": "mse"}, "grid"),
+    ({"rank": 4, "kv_bytes": 0.1}, "rank"), ({"head_groups": 0}, "head_groups"), ({"whiten": "yes"}, "whiten"), ({"grid": "mse"}, "grid"), ({"key_bits": 16}, "key_bits"), ({"key_bits": 7}, "key_bits"),
     ({"keys": "pre"}, "keys"),
     ({"target": 0.5}, "target"),
 ])

@@ -414,10 +414,11 @@ class LatentKVLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, positions: _Positions, bits: int = 4, group: int = 64, window: int = 64, sink: int = 16,
-                 grid: str = "search", sliding_window: int | None = None, rotated_keys: bool = False):
+                 grid: str = "search", key_bits: int | None = None, sliding_window: int | None = None,
+                 rotated_keys: bool = False):
         super().__init__()
         self.positions, self.bits, self.group, self.window, self.sink = positions, bits, group, window, sink
-        self.grid = grid
+        self.grid, self.key_bits = grid, bits if key_bits is None else key_bits
         self.rotated_keys = rotated_keys  # keys latent after RoPE (scored in place; before RoPE they are rebuilt)
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
@@ -425,7 +426,7 @@ class LatentKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = None
-        self.k = _Latents(self.bits, self.group, self.window, self.sink, self.grid)
+        self.k = _Latents(self.key_bits, self.group, self.window, self.sink, self.grid)
         self.v = _Latents(self.bits, self.group, self.window, self.sink, self.grid)
         self.offset = 0  # tokens forgotten at the front (sliding-window layers)
         self.seen = 0  # every token ever added
@@ -435,9 +436,11 @@ class LatentKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
-        if not self.is_sliding and kernel_ready(self.bits, self.group, self.device):
-            if self.rotated_keys:
-                self.k = _KernelKeys(self.bits, self.group, self.window, self.sink, self.grid)
+        if self.is_sliding:
+            return
+        if self.rotated_keys and kernel_ready(self.key_bits, self.group, self.device):
+            self.k = _KernelKeys(self.key_bits, self.group, self.window, self.sink, self.grid)
+        if kernel_ready(self.bits, self.group, self.device):
             self.v = _KernelValues(self.bits, self.group, self.window, self.sink, self.grid)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -511,11 +514,13 @@ class LatentKVCache(Cache):
     not latent get transformers' own dynamic layers."""
 
     def __init__(self, model, bits: int | None = None, group: int | None = None, window: int | None = None,
-                 sink: int | None = None, grid: str | None = None):
+                 sink: int | None = None, grid: str | None = None, key_bits: int | None = None):
         cfg = model.config.get_text_config(decoder=True)
         found = latent_layers(model)
-        given = {"bits": bits, "group": group, "window": window, "sink": sink, "grid": grid}
+        given = {"bits": bits, "group": group, "window": window, "sink": sink, "grid": grid, "key_bits": key_bits}
         self.settings = {k: v if given[k] is None else given[k] for k, v in latent_settings(model).items()}
+        if bits is not None and key_bits is None:  # one width given: both streams at it
+            self.settings["key_bits"] = bits
         _check_settings(self.settings)
         self.token_positions = _Positions()
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
@@ -590,12 +595,12 @@ def latent_layers(model: nn.Module) -> dict[int, nn.Module]:
 
 
 #: the cache settings a model uses when its config says nothing
-CACHE_DEFAULTS = {"bits": 4, "group": 64, "window": 64, "sink": 16, "grid": "search"}
+CACHE_DEFAULTS = {"bits": 4, "group": 64, "window": 64, "sink": 16, "grid": "search", "key_bits": None}
 
 
 def latent_settings(model: nn.Module) -> dict:
     """The cache settings of the model's latent_kv entry (its options ``bits``, ``group``, ``window``, ``sink``,
-    ``grid``)."""
+    ``grid``, ``key_bits``: None, the same as ``bits``)."""
     cfg = getattr(model.config, "quantization_config", None)
     for e in getattr(cfg, "entries", None) or ():
         if getattr(e, "method", None) == "latent_kv":
@@ -611,6 +616,10 @@ def _check_settings(s: dict) -> None:
 
     if type(s["bits"]) is not int or s["bits"] not in BITS_ALLOWED:
         fail("bits", s["bits"], " | ".join(map(str, BITS_ALLOWED)) + " (bits per latent value; 16: kept in the model's dtype)")
+    kb = s["key_bits"]
+    if kb is not None and (type(kb) is not int or kb not in BITS_ALLOWED or (kb >= 16) != (s["bits"] >= 16)):
+        fail("key_bits", kb, "None (the same as bits) | " + " | ".join(map(str, BITS)) + " (bits per key latent value; "
+             "16 only with bits=16: both streams quantized or neither)")
     if not is_int(s["group"], 8) or s["group"] % 8 or s["group"] > 4096:
         fail("group", s["group"], "a multiple of 8 in [8, 4096] (tokens sharing one scale and zero point per channel)")
     if not is_int(s["window"], 0):

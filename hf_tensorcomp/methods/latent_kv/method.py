@@ -25,7 +25,6 @@ import torch
 
 from ...decompositions import relative_error
 from ...decompositions.svd import output_basis, whitening_factor
-from ...decompositions.quantize import BITS
 from ...validation import fail, is_int, is_number, resolve_rank
 from ..base import Allocation, Context, Method, register_method, spec_fail
 from ...layout import head_dim as _head_dim
@@ -97,20 +96,33 @@ def _dense(module) -> torch.Tensor:
     return w.detach().double()
 
 
-def value_bytes(o: dict) -> float:
-    """Bytes a latent value costs per token: its code, and its group's scale and zero point shared by `group` tokens
-    (bits=16: a bfloat16 value)."""
-    return 2.0 if o["bits"] >= 16 else o["bits"] / 8 + 3 / o["group"]
+def value_bytes(bits: int, group: int) -> float:
+    """Bytes a latent value costs per token: its `bits`-bit code, and its group's scale and zero point shared by
+    `group` tokens (bits=16: a bfloat16 value)."""
+    return 2.0 if bits >= 16 else bits / 8 + 3 / group
 
 
-def budget_bits(kv_bytes: float, group: int) -> int:
-    """The code width ``bits=None`` takes under a `kv_bytes` budget: the widest of the quantizer's widths at which
-    every latent channel fits (full rank: ``value_bytes / 2`` of the bf16 bytes); below 2-bit's full rank, 2 (and
-    the allocation cuts ranks). Fewer bits on every channel rather than fewer channels, because on the bundled
-    models dropping channels costs far more than a narrower code: SmolLM2 at 2,048 tokens of context, ×1.21 at
-    full rank with 2-bit codes against ×2.96 with 55 % of the channels at 4 bits, for the same bytes."""
-    fits = [b for b in BITS if value_bytes({"bits": b, "group": group}) / 2 <= kv_bytes + 1e-12]
-    return max(fits, default=min(BITS))
+def stream_bits(name: str, o: dict) -> int:
+    """The code width of the latent `name` (a module path) is cached at: ``key_bits`` for k_proj, else ``bits``."""
+    return o["key_bits"] if name.endswith("k_proj") else o["bits"]
+
+
+#: (key_bits, bits) pairs ``kv_bytes`` chooses among, widest first: the values narrow before the keys, whose codes
+#: cost more perplexity (SmolLM2, 2,048 tokens of context, every channel kept: keys at 3 bits and values at 2
+#: ×1.002, keys at 2 and values at 3 ×1.061, both at 2 ×1.083)
+BUDGET_WIDTHS = ((8, 8), (6, 6), (5, 5), (4, 4), (4, 3), (4, 2), (3, 2), (2, 2))
+
+
+def budget_bits(kv_bytes: float, group: int) -> tuple[int, int]:
+    """The code widths (key_bits, bits) that ``bits=None`` takes under a `kv_bytes` budget: the first pair of
+    `BUDGET_WIDTHS` at which every latent channel fits (full rank costs the mean of the two streams' `value_bytes`
+    over a bf16 value's 2 bytes); below the narrowest, (2, 2), and the allocation cuts channels. Narrower codes on
+    every channel rather than fewer channels, because on the bundled models dropping channels costs far more:
+    SmolLM2 at 2,048 tokens of context, ×1.21 with every channel at 2 bits against ×2.96 with 55 % of them at 4
+    bits, for the same bytes; 90 % of the channels at 3 bits, ×1.11, against ×0.98 with all of them."""
+    fits = [(k, v) for k, v in BUDGET_WIDTHS
+            if (value_bytes(k, group) + value_bytes(v, group)) / 4 <= kv_bytes + 1e-12]
+    return fits[0] if fits else BUDGET_WIDTHS[-1]
 
 
 @register_method
@@ -120,7 +132,7 @@ class LatentKV(Method):
     default_rank = None
     layer_types = ("latent_kv", "latent_kv_key")
     remedy = "a larger rank or kv_bytes"
-    option_defaults = {"kv_bytes": None, **CACHE_DEFAULTS, "bits": None, "head_groups": None,
+    option_defaults = {"kv_bytes": None, **CACHE_DEFAULTS, "bits": None, "key_bits": None, "head_groups": None,
                        "whiten": True, "damping": 1e-4, "metric": "attention",
                        "key_weight": 1.0, "keys": "rotated"}
     # checkpoints from before these options: the key latent taken before RoPE, each group's codes on its min-max range
@@ -132,7 +144,7 @@ class LatentKV(Method):
         if t is not None and (not is_number(t) or not 0 < t <= 1):
             fail("kv_bytes", t, "None, or a float in (0, 1]: the fraction of a bfloat16 DynamicCache's bytes the latent "
                  "cache may hold")
-        _check_settings({**o, "bits": CACHE_DEFAULTS["bits"]} if o["bits"] is None else o)
+        _check_settings({**o, "bits": 4 if o["bits"] is None else o["bits"]})
         if o["head_groups"] is not None and not is_int(o["head_groups"], 1):
             fail("head_groups", o["head_groups"], "None (one latent for all the KV heads of a layer) or an int >= 1 (KV "
                  "heads sharing one latent; it must divide the model's KV heads)")
@@ -155,14 +167,25 @@ class LatentKV(Method):
         if rank is None:
             if options["kv_bytes"] is None:
                 options["kv_bytes"] = DEFAULT_KV_BYTES
-            if options["bits"] is None:
-                options["bits"] = budget_bits(options["kv_bytes"], options["group"])
+            if options["bits"] is None and options["key_bits"] is None:
+                options["key_bits"], options["bits"] = budget_bits(options["kv_bytes"], options["group"])
+            self._pair(options)
             return None
         if options["kv_bytes"] is not None:
             fail("rank", rank, "None with kv_bytes= (the ranks are allocated from the byte budget)")
-        if options["bits"] is None:
-            options["bits"] = CACHE_DEFAULTS["bits"]
+        if options["bits"] is None and options["key_bits"] is None:
+            options["bits"] = 4
+        self._pair(options)
         return super().validate_rank(rank, options)
+
+    @staticmethod
+    def _pair(options) -> None:
+        """One of ``bits`` / ``key_bits`` given: the other is the same width."""
+        if options["bits"] is None:
+            options["bits"] = options["key_bits"]
+        if options["key_bits"] is None:
+            options["key_bits"] = options["bits"]
+        _check_settings(options)
 
     def validate_target(self, target, options):
         fail("target", target, "None: latent_kv's budget is kv_bytes= (a fraction of the bf16 KV-cache bytes)")
@@ -211,10 +234,10 @@ class LatentKV(Method):
             if kinds != {"k_proj", "v_proj"}:
                 fail("targets", entry.targets, f"both k_proj and v_proj of each layer (layer {li}: {sorted(kinds)})")
         if o["kv_bytes"] is not None:
-            least = groups * value_bytes(o) / (2 * kv * d)
+            least = groups * (value_bytes(o["key_bits"], o["group"]) + value_bytes(o["bits"], o["group"])) / (4 * kv * d)
             if o["kv_bytes"] < least:
                 fail("kv_bytes", o["kv_bytes"], f"at least {least:.4f} (rank 1 for each of the {groups} latent group(s) "
-                     f"of a projection at bits={o['bits']}, group={o['group']})")
+                     f"of a projection at key_bits={o['key_bits']}, bits={o['bits']}, group={o['group']})")
 
     def check_spec(self, name, spec, entry, unit, ctx):
         groups = self._groups(entry, ctx.config)
@@ -328,7 +351,8 @@ class LatentKV(Method):
         total = float(sum(float(p.sum()) for p in spectra)) or 1.0
         if name.endswith("k_proj"):
             total /= entry.options["key_weight"]
-        unit = module.weight.numel() * value_bytes(entry.options) / (2 * module.out_features)  # one latent dim's cost
+        o = entry.options
+        unit = module.weight.numel() * value_bytes(stream_bits(name, o), o["group"]) / (2 * module.out_features)  # a latent dim's cost
         ranks = [1] * groups
         loss = sum(float(p[1:].sum()) for p in spectra)
         steps = sorted(((float(p[j]), g) for g, p in enumerate(spectra) for j in range(1, len(p))), reverse=True)
@@ -365,7 +389,7 @@ class LatentKV(Method):
                     downs.append((u[:, :r] * a[:, None]).T.float())
                 bias = None if lin.bias is None else lin.bias.detach()
                 new = LatentKeyLinear.build(lin.weight.detach(), bias, ups, downs, lin.weight.dtype)
-                out[name] = (new, {**self._report(bases, ranks, entry, lin),  # the rotated keys' error: the weight is kept
+                out[name] = (new, {**self._report(name, bases, ranks, entry, lin),  # the rotated keys' error: the weight is kept
                                    "rel_error": _dropped(bases, ranks)})
                 continue
             for g, ((u, _), r, wg) in enumerate(zip(bases, ranks, w.chunk(groups, 0))):
@@ -382,16 +406,17 @@ class LatentKV(Method):
                 downs.append(down.float())
             bias = None if lin.bias is None else lin.bias.detach()
             new = LatentKVLinear.build(ups, downs, bias, lin.weight.dtype)
-            out[name] = (new, {**self._report(bases, ranks, entry, lin),
+            out[name] = (new, {**self._report(name, bases, ranks, entry, lin),
                                "rel_error": relative_error(w, new.dense_weight().detach().float())})
         return out
 
     @staticmethod
-    def _report(bases, ranks, entry, lin) -> dict:
+    def _report(name, bases, ranks, entry, lin) -> dict:
         """Ranks, the share of the (whitened; rotated keys: after RoPE) output energy dropped, the bytes' share."""
         return {"ranks": ranks, "rank": sum(ranks),
                 **({"whitened_error": _dropped(bases, ranks)} if entry.options["whiten"] else {}),
-                "kv_fraction": round(sum(ranks) * value_bytes(entry.options) / (2 * lin.out_features), 6)}
+                "kv_fraction": round(sum(ranks) * value_bytes(stream_bits(name, entry.options), entry.options["group"])
+                                     / (2 * lin.out_features), 6)}
 
     def finish(self, model, entry, ctx, runner):
         from .attention import enable
