@@ -10,13 +10,15 @@ full precision) and attends with the registered ``latent_kv`` attention, which `
 arguments, and a reload too.
 
 Sizes: ``kv_bytes`` (default 0.25), a fraction of the bytes a bfloat16 DynamicCache holds for the same tokens:
-each latent value costs bits/8 bytes plus 3 bytes (a float16 scale and a uint8 zero point) per ``group`` tokens;
-the ranks of every group of every layer, keys and values alike, are chosen together by the greedy rule of
+each latent value costs bits/8 bytes plus 3 bytes (a float16 scale and a uint8 zero point) per ``group`` tokens.
+Unless ``bits`` or ``key_bits`` is given, the budget first picks the code widths of the two streams
+(`budget_bits`: the widest pair at which every channel fits, the values narrowed before the keys), then the
+ranks of every group of every layer, keys and values alike, are chosen together by the greedy rule of
 `decompositions.allocation` on each projection's relative whitened loss, so the latent costs at most
 ``kv_bytes`` of the bf16 keys and values (the full-precision window and the positions come on top: at 2,048 tokens
 with the default window of 64, ``window / tokens`` of the latents' full-precision cost). ``rank=`` instead:
-every group that rank (an int, or a fraction of the group's rows). At full rank with ``bits=16`` the model and its
-cache compute what the dense model computes with a DynamicCache.
+every group that rank (an int, or a fraction of the group's rows), 4-bit codes unless told. At full rank with
+``bits=16`` the model and its cache compute what the dense model computes with a DynamicCache.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ...decompositions.svd import output_basis, whitening_factor
 from ...validation import fail, is_int, is_number, resolve_rank
 from ..base import Allocation, Context, Method, register_method, spec_fail
 from ...layout import head_dim as _head_dim
-from .cache import CACHE_DEFAULTS, _check_settings
+from .cache import BITS_ALLOWED, CACHE_DEFAULTS, _check_settings
 from .layer import LatentKeyLinear, LatentKVLinear
 
 DEFAULT_KV_BYTES = 0.25
@@ -144,7 +146,10 @@ class LatentKV(Method):
         if t is not None and (not is_number(t) or not 0 < t <= 1):
             fail("kv_bytes", t, "None, or a float in (0, 1]: the fraction of a bfloat16 DynamicCache's bytes the latent "
                  "cache may hold")
-        _check_settings({**o, "bits": 4 if o["bits"] is None else o["bits"]})
+        if o["bits"] is None:  # chosen later (`validate_rank`): the key width, when valid, stands in for the check
+            _check_settings({**o, "bits": o["key_bits"] if o["key_bits"] in BITS_ALLOWED else 4})
+        else:
+            _check_settings(o)
         if o["head_groups"] is not None and not is_int(o["head_groups"], 1):
             fail("head_groups", o["head_groups"], "None (one latent for all the KV heads of a layer) or an int >= 1 (KV "
                  "heads sharing one latent; it must divide the model's KV heads)")
