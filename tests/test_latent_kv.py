@@ -401,7 +401,7 @@ def test_a_plain_forward_keeps_working(tiny_dirs):
     ({"kv_bytes": 0}, "kv_bytes"), ({"kv_bytes": 1.5}, "kv_bytes"), ({"kv_bytes": "0.1"}, "kv_bytes"),
     ({"bits": 7}, "bits"), ({"bits": 4.0}, "bits"), ({"bits": True}, "bits"),
     ({"group": 12}, "group"), ({"window": -1}, "window"), ({"sink": 1.5}, "sink"), ({"rank": 0}, "rank"),
-    ({"rank": 4, "kv_bytes": 0.1}, "rank"), ({"head_groups": 0}, "head_groups"), ({"whiten": "yes"}, "whiten"), ({"grid": "mse"}, "grid"), ({"key_bits": 16}, "key_bits"), ({"key_bits": 7}, "key_bits"),
+    ({"rank": 4, "kv_bytes": 0.1}, "rank"), ({"head_groups": 0}, "head_groups"), ({"whiten": "yes"}, "whiten"), ({"grid": "mse"}, "grid"), ({"key_bits": 16, "bits": 4}, "key_bits"), ({"key_bits": 7}, "key_bits"),
     ({"keys": "pre"}, "keys"),
     ({"target": 0.5}, "target"),
 ])
