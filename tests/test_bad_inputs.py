@@ -88,7 +88,7 @@ GUARDED = [
     ("a world size larger than the calibration batches, or than a healing step's windows", "one line on every rank before any work, with what to change (a world size that does not divide the batches is fine)", "test_distributed.py::test_too_few_batches_a_rank_that_dies_and_nothing_half_written"),
     ("a rank that dies mid-way through a streamed compression", "the others stop with DistributedError naming the step; no output folder, no temporary one", "test_distributed.py::test_too_few_batches_a_rank_that_dies_and_nothing_half_written"),
     ("ranks running different hf_tensorcomp versions (compress_checkpoint, heal)", "one line on every rank naming each rank's version, before any work; nothing written", "test_distributed.py::test_mismatched_library_versions_refused_on_every_rank_before_any_work"),
-    ("latent_kv settings out of range (kv_bytes, bits, group, window, rank, head_groups; rank with kv_bytes)", "the field named, when the config is built", "test_latent_kv.py::test_bad_settings_name_the_field"),
+    ("latent_kv settings out of range (kv_bytes, bits, key_bits, grid, group, window, rank, head_groups; rank with kv_bytes)", "the field named, when the config is built", "test_latent_kv.py::test_bad_settings_name_the_field"),
     ("latent_kv rank above a group's rows, head_groups not dividing the KV heads, k_proj without v_proj, kv_bytes below rank 1", "refused before weights load, naming the field and the bound", "test_latent_kv.py::test_bad_settings_for_the_model_refused_before_weights_load"),
 ]
 
