@@ -214,23 +214,23 @@ def test_error_falls_with_kv_bytes_and_ranks_follow_the_budget(tiny_dirs):
 
 def test_the_budget_picks_the_widest_codes_that_keep_every_channel(tiny_dirs, tmp_path):
     """bits=None under kv_bytes: every latent channel kept at the widest (key_bits, bits) pair that fits, the values
-    narrowed first (groups of 8: a b-bit value costs b/8 + 3/8 bytes; keys at 4 bits and values at 2 cost
-    (0.875 + 0.625) / 4 = 0.375 of a bf16 cache), and below two 2-bit streams (0.3125) 2-bit codes with channels
-    cut; the widths chosen are recorded in the saved config and used by the cache's two streams, after a reload
-    too."""
+    narrowed first below 3 bits (groups of 8: a b-bit value costs b/8 + 3/8 bytes; keys at 3 bits and values at 2
+    cost (0.75 + 0.625) / 4 = 0.34375 of a bf16 cache), and below two 2-bit streams (0.3125) 2-bit codes with
+    channels cut; the widths chosen are recorded in the saved config and used by the cache's two streams, after a
+    reload too."""
     full = 32 * 2 * 3  # k and v latents of 32 dims, 3 layers
-    model = load(tiny_dirs["qwen3"], kv_bytes=0.38, group=8, window=0)
+    model = load(tiny_dirs["qwen3"], kv_bytes=0.35, group=8, window=0)
     o = model.config.quantization_config.entries[0].options
-    assert (o["key_bits"], o["bits"]) == (4, 2)
+    assert (o["key_bits"], o["bits"]) == (3, 2)
     assert sum(m.latent_size for m in LATENT_KEYS(model)) == full
     model.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path)
     o = again.config.quantization_config.entries[0].options
-    assert (o["key_bits"], o["bits"]) == (4, 2)
+    assert (o["key_bits"], o["bits"]) == (3, 2)
     _, cache = decode_logits(again, long_ids(n=24), 5)
     layer = cache.layers[0]
-    assert (layer.k.bits, layer.v.bits) == (4, 2) and layer.k.n_quantized == layer.v.n_quantized > 0
-    assert layer.k.codes.shape[-1] == 2 * layer.v.codes.shape[-1]  # 4-bit codes take twice the bytes of 2-bit ones
+    assert (layer.k.bits, layer.v.bits) == (3, 2) and layer.k.n_quantized == layer.v.n_quantized > 0
+    assert 2 * layer.k.codes.shape[-1] == 3 * layer.v.codes.shape[-1]  # 3 bytes a group of 8 codes against 2
     small = load(tiny_dirs["qwen3"], kv_bytes=0.2, group=8, window=0)
     latents = sum(m.latent_size for m in LATENT_KEYS(small))
     o = small.config.quantization_config.entries[0].options
@@ -238,6 +238,9 @@ def test_the_budget_picks_the_widest_codes_that_keep_every_channel(tiny_dirs, tm
     assert latents < full and latents * (2 / 8 + 3 / 8) <= 0.2 * 2 * full + 1e-9
     o = load(tiny_dirs["qwen3"], rank=1.0).config.quantization_config.entries[0].options
     assert (o["key_bits"], o["bits"]) == (4, 4)
+    o = load(tiny_dirs["qwen3"]).config.quantization_config.entries[0].options  # the defaults: every channel at 4 bits
+    assert (o["kv_bytes"], o["group"], o["key_bits"], o["bits"]) == (0.28, 64, 4, 4)
+    assert sum(m.latent_size for m in LATENT_KEYS(load(tiny_dirs["qwen3"]))) == full
 
 
 def test_whitened_fit_minimises_the_output_error_on_the_calibration_inputs(tiny_dirs):

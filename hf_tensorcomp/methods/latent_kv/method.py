@@ -9,7 +9,7 @@ so the dropped singular values are exactly the output error on those inputs. The
 full precision) and attends with the registered ``latent_kv`` attention, which ``generate`` uses without further
 arguments, and a reload too.
 
-Sizes: ``kv_bytes`` (default 0.25), a fraction of the bytes a bfloat16 DynamicCache holds for the same tokens:
+Sizes: ``kv_bytes`` (default 0.28: every channel of both streams at 4 bits), a fraction of the bytes a bfloat16 DynamicCache holds for the same tokens:
 each latent value costs bits/8 bytes plus 3 bytes (a float16 scale and a uint8 zero point) per ``group`` tokens.
 Unless ``bits`` or ``key_bits`` is given, the budget first picks the code widths of the two streams
 (`budget_bits`: the widest pair at which every channel fits, the values narrowed before the keys), then the
@@ -33,7 +33,7 @@ from ...layout import head_dim as _head_dim
 from .cache import BITS_ALLOWED, CACHE_DEFAULTS, _check_settings
 from .layer import LatentKeyLinear, LatentKVLinear
 
-DEFAULT_KV_BYTES = 0.25
+DEFAULT_KV_BYTES = 0.28  # every channel at 4 bits: the widths PyTorch's CPU int4 kernel reads in place
 METRICS = ("attention", "output")
 KEYS = ("rotated", "latent")
 ROPE_SPAN = 4096  # positions over which a rotated key's covariance is averaged (the contexts the cache is for)
@@ -109,10 +109,11 @@ def stream_bits(name: str, o: dict) -> int:
     return o["key_bits"] if name.endswith("k_proj") else o["bits"]
 
 
-#: (key_bits, bits) pairs ``kv_bytes`` chooses among, widest first: the values narrow before the keys, whose codes
-#: cost more perplexity (SmolLM2, 2,048 tokens of context, every channel kept: keys at 3 bits and values at 2
-#: ×1.002, keys at 2 and values at 3 ×1.061, both at 2 ×1.083)
-BUDGET_WIDTHS = ((8, 8), (6, 6), (5, 5), (4, 4), (4, 3), (4, 2), (3, 2), (2, 2))
+#: (key_bits, bits) pairs ``kv_bytes`` chooses among, widest first; below 3 bits the values narrow before the keys,
+#: whose codes cost more perplexity. Keys at 4 bits beside narrower values are left out: on the CPU 4-bit keys are
+#: quantized per token for the int4 kernel, which held them no better than 3-bit codes per channel (SmolLM2 at
+#: 2,048 tokens of context: keys 4 / values 3 bits ×1.022 at 0.290 of the bf16 bytes, both 3 bits ×1.013 at 0.257)
+BUDGET_WIDTHS = ((8, 8), (6, 6), (5, 5), (4, 4), (3, 3), (3, 2), (2, 2))
 
 
 def budget_bits(kv_bytes: float, group: int) -> tuple[int, int]:
