@@ -213,13 +213,13 @@ def test_error_falls_with_kv_bytes_and_ranks_follow_the_budget(tiny_dirs):
 
 
 def test_the_budget_picks_the_widest_codes_that_keep_every_channel(tiny_dirs, tmp_path):
-    """widths='uniform' under kv_bytes: every latent channel kept at the widest (key_bits, bits) pair that fits, the values
+    """bits=None under kv_bytes: every latent channel kept at the widest (key_bits, bits) pair that fits, the values
     narrowed first below 3 bits (groups of 8: a b-bit value costs b/8 + 3/8 bytes; keys at 3 bits and values at 2
     cost (0.75 + 0.625) / 4 = 0.34375 of a bf16 cache), and below two 2-bit streams (0.3125) 2-bit codes with
     channels cut; the widths chosen are recorded in the saved config and used by the cache's two streams, after a
     reload too."""
     full = 32 * 2 * 3  # k and v latents of 32 dims, 3 layers
-    model = load(tiny_dirs["qwen3"], kv_bytes=0.35, group=8, window=0, widths="uniform")
+    model = load(tiny_dirs["qwen3"], kv_bytes=0.35, group=8, window=0)
     o = model.config.quantization_config.entries[0].options
     assert (o["key_bits"], o["bits"]) == (3, 2)
     assert sum(m.latent_size for m in LATENT_KEYS(model)) == full
@@ -231,7 +231,7 @@ def test_the_budget_picks_the_widest_codes_that_keep_every_channel(tiny_dirs, tm
     layer = cache.layers[0]
     assert (layer.k.bits, layer.v.bits) == (3, 2) and layer.k.n_quantized == layer.v.n_quantized > 0
     assert 2 * layer.k.codes.shape[-1] == 3 * layer.v.codes.shape[-1]  # 3 bytes a group of 8 codes against 2
-    small = load(tiny_dirs["qwen3"], kv_bytes=0.2, group=8, window=0, widths="uniform")
+    small = load(tiny_dirs["qwen3"], kv_bytes=0.2, group=8, window=0)
     latents = sum(m.latent_size for m in LATENT_KEYS(small))
     o = small.config.quantization_config.entries[0].options
     assert (o["key_bits"], o["bits"]) == (2, 2)
@@ -241,56 +241,6 @@ def test_the_budget_picks_the_widest_codes_that_keep_every_channel(tiny_dirs, tm
     o = load(tiny_dirs["qwen3"]).config.quantization_config.entries[0].options  # the defaults: every channel at 4 bits
     assert (o["kv_bytes"], o["group"], o["key_bits"], o["bits"]) == (0.28, 64, 4, 4)
     assert sum(m.latent_size for m in LATENT_KEYS(load(tiny_dirs["qwen3"]))) == full
-
-
-def test_the_budget_spreads_widths_over_the_channels_below_4_bits(tiny_dirs, tmp_path):
-    """kv_bytes below every channel at 4 bits (and no bits=): each latent channel gets its own width, the stronger
-    channels of a group never fewer bits than the weaker, within the budget (a b-bit value costs b/8 + 3/8 bytes in
-    groups of 8); the widths are saved with each projection and the reloaded cache holds each run of channels at
-    its width; more bytes, less error."""
-    from hf_tensorcomp.methods.latent_kv.cache import _MixedLatents
-
-    ids, ref = long_ids(), dense(tiny_dirs["qwen3"])
-    want, _ = decode_logits(ref, ids, 5)
-    errs = []
-    for budget in (0.3, 0.4):
-        model = load(tiny_dirs["qwen3"], kv_bytes=budget, group=8, window=0)
-        o = model.config.quantization_config.entries[0].options
-        assert (o["widths"], o["bits"], o["key_bits"]) == ("channel", None, None)
-        spent = 0.0
-        for m in LATENT_KEYS(model):
-            assert len(m.widths) == m.latent_size and set(m.widths) <= {2, 3, 4, 5, 6, 8}
-            for cols in m.group_slices():
-                assert m.widths[cols] == sorted(m.widths[cols], reverse=True)
-            spent += sum(b / 8 + 3 / 8 for b in m.widths)
-        assert spent <= budget * 2 * 32 * 2 * 3 + 1e-9
-        errs.append(rel(decode_logits(model, ids, 5)[0], want))
-    assert errs[0] > errs[1], errs
-    model.save_pretrained(tmp_path)
-    again = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert [m.widths for m in LATENT_KEYS(again)] == [m.widths for m in LATENT_KEYS(model)]
-    got, cache = decode_logits(again, ids, 5)
-    assert torch.allclose(got, decode_logits(model, ids, 5)[0], atol=1e-5)
-    held = []
-    for layer, attn in zip(cache.layers, [lay.self_attn for lay in again.model.layers]):
-        for stream, proj in ((layer.k, attn.k_proj), (layer.v, attn.v_proj)):
-            runs = stream.runs if isinstance(stream, _MixedLatents) else [(slice(0, proj.latent_size), stream)]
-            held.append([r.bits for c, r in runs for _ in range(c.stop - c.start)] == proj.widths)
-            assert stream.n_quantized > 0
-    assert all(held) and any(isinstance(s, _MixedLatents) for layer in cache.layers for s in (layer.k, layer.v))
-
-
-def test_the_width_ladder_takes_the_steps_that_save_most_per_byte():
-    """Reverse water-filling: a channel with 4^k times the energy of another ends about k bits wider (each bit
-    quarters the distortion); every rung costs more and loses less, and the last holds every channel at 8 bits."""
-    from hf_tensorcomp.methods.latent_kv.method import channel_ladder
-
-    spectra = [torch.tensor([256.0, 16.0, 1.0]), torch.tensor([4.0])]
-    costs, losses, ladder = channel_ladder(spectra, lambda b: b / 8 + 3 / 64 if b else 0.0, 64, "search")
-    assert all(b > a for a, b in zip(costs, costs[1:])) and all(b <= a for a, b in zip(losses, losses[1:]))
-    assert len(ladder) == len(costs) and ladder[0] == [[2, 0, 0], [2]] and ladder[len(ladder) - 1] == [[8] * 3, [8]]
-    mid = ladder[len(ladder) // 2]
-    assert mid[0] == sorted(mid[0], reverse=True) and mid[0][0] - mid[0][2] >= 3, mid
 
 
 def test_whitened_fit_minimises_the_output_error_on_the_calibration_inputs(tiny_dirs):
@@ -455,8 +405,7 @@ def test_a_plain_forward_keeps_working(tiny_dirs):
     ({"bits": 7}, "bits"), ({"bits": 4.0}, "bits"), ({"bits": True}, "bits"),
     ({"group": 12}, "group"), ({"window": -1}, "window"), ({"sink": 1.5}, "sink"), ({"rank": 0}, "rank"),
     ({"rank": 4, "kv_bytes": 0.1}, "rank"), ({"head_groups": 0}, "head_groups"), ({"whiten": "yes"}, "whiten"), ({"grid": "mse"}, "grid"), ({"key_bits": 16, "bits": 4}, "key_bits"), ({"key_bits": 7}, "key_bits"),
-    ({"keys": "pre"}, "keys"), ({"widths": "per"}, "widths"), ({"widths": "channel", "bits": 4}, "widths"),
-    ({"widths": "channel", "rank": 2}, "widths"),
+    ({"keys": "pre"}, "keys"),
     ({"target": 0.5}, "target"),
 ])
 def test_bad_settings_name_the_field(kw, field):
@@ -501,19 +450,14 @@ def test_codes_come_back_from_their_planes_in_token_order(bits):
     assert torch.equal(torch.cat(_planes(packed.view(1, 1, 7, -1), bits, 64), -1).view(7, 64), codes)
 
 
-@pytest.mark.parametrize("bits, widths", [(2, None), (3, None), (4, None),
-                                          (None, ([5, 3, 3, 3, 2, 2], [4, 2, 2, 8, 3, 2]))])
-def test_attention_on_codes_equals_attention_on_dequantized_latents(bits, widths):
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_attention_on_codes_equals_attention_on_dequantized_latents(bits):
     """The decode attention multiplies the codes as they are (scales and zero points folded into the query and
-    the sums); the result is the product with the de-quantized latents `read` gives, sink and window included.
-    Per-channel widths too: runs of channels at one width, one run crossing the two KV heads' latents."""
-    from hf_tensorcomp.methods.latent_kv.cache import LatentKVLayer, _MixedLatents, _Positions
+    the sums); the result is the product with the de-quantized latents `read` gives, sink and window included."""
+    from hf_tensorcomp.methods.latent_kv.cache import LatentKVLayer, _Positions
 
     gen = torch.Generator().manual_seed(0)
-    per_channel = {} if widths is None else {"key_widths": widths[0], "value_widths": widths[1]}
-    layer = LatentKVLayer(_Positions(), bits=bits or 4, group=8, window=3, sink=2, **per_channel)
-    if widths is not None:
-        assert isinstance(layer.k, _MixedLatents) and [s.bits for _, s in layer.k.runs] == [5, 3, 2]
+    layer = LatentKVLayer(_Positions(), bits=bits, group=8, window=3, sink=2)
     layer.lazy_initialization(torch.zeros(1), None)
     for n in (5, 1, 17, 1, 9):
         layer.add(torch.randn(2, n, 6, generator=gen), torch.randn(2, n, 6, generator=gen), None)

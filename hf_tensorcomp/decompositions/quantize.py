@@ -16,7 +16,6 @@ loader, while the pipeline already has each layer's input Gram, which is all GPT
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -138,19 +137,6 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, grid: str = "minma
     rows, cols = _rows_cols(tuple(w.shape))
     codes = _codes(groups, scale, zero, bits).view(rows, -1)[:, :cols]
     return QTensor(codes.to(torch.uint8).reshape(-1), scale.half(), zero.to(torch.uint8), bits, group_size, tuple(w.shape))
-
-
-@functools.lru_cache(maxsize=None)
-def gaussian_distortion(bits: int, group_size: int, grid: str = "minmax") -> float:
-    """The mean squared round-trip error of `quantize_rtn` on standard normal values, in groups of `group_size`:
-    the share of a channel's energy its `bits`-bit codes lose, if its values are Gaussian (a fixed sample of
-    4,096 groups; `bits` 0: everything). What a rate-distortion allocation of code widths weighs them by."""
-    if bits == 0:
-        return 1.0
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(4096, group_size, generator=g)
-    q = quantize_rtn(w, bits, group_size, grid).dequantize().view_as(w)
-    return float((q - w).pow(2).mean())
 
 
 GPTQ_BLOCK_BYTES = 64 << 20  # rows of a matrix GPTQ works on at once: this many bytes of them in float64

@@ -244,70 +244,6 @@ class _Latents:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def _runs(widths: list[int]) -> list[tuple[int, int]]:
-    """(width, channels) of each run of consecutive latent channels at one width."""
-    out = []
-    for b in widths:
-        if out and out[-1][0] == b:
-            out[-1] = (b, out[-1][1] + 1)
-        else:
-            out.append((b, 1))
-    return out
-
-
-class _MixedLatents:
-    """A stream whose latent channels each have a width of their own (``widths="channel"``: `LatentKVLinear.widths`):
-    one `_Latents` per run of consecutive channels at one width, all holding the same tokens alike (head, groups,
-    tail). Its quantized groups are one piece ``("runs", [(channels, planes, scale, zero), ...])``, which the
-    attention multiplies run by run as it does one stream's ``("codes", ...)``."""
-
-    def __init__(self, widths: list[int], group: int, window: int, sink: int = 0, grid: str = "minmax"):
-        self.group, self.runs, start = group, [], 0
-        for b, n in _runs(widths):
-            self.runs.append((slice(start, start + n), _Latents(b, group, window, sink, grid)))
-            start += n
-
-    @property
-    def n_head(self) -> int:
-        return self.runs[0][1].n_head
-
-    @property
-    def n_quantized(self) -> int:
-        return self.runs[0][1].n_quantized
-
-    def __len__(self) -> int:
-        return len(self.runs[0][1])
-
-    def append(self, z: torch.Tensor) -> None:
-        for cols, s in self.runs:
-            s.append(z[..., cols])
-
-    def read(self, start: int, end: int, dtype) -> torch.Tensor:
-        return torch.cat([s.read(start, end, dtype) for _, s in self.runs], -1)
-
-    def pieces(self, dtype) -> list[tuple]:
-        out = []
-        for parts in zip(*(s.pieces(dtype) for _, s in self.runs)):
-            if parts[0][0] == "dense":
-                out.append(("dense", torch.cat([p[1] for p in parts], -1)))
-            else:
-                out.append(("runs", [(cols, *p[1:]) for (cols, _), p in zip(self.runs, parts)]))
-        return out
-
-    def drop(self, tokens: int) -> int:
-        return [s.drop(tokens) for _, s in self.runs][0]
-
-    def select(self, fn) -> None:
-        for _, s in self.runs:
-            s.select(fn)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for _, s in self.runs for t in s.tensors()]
-
-    def nbytes(self) -> int:
-        return sum(s.nbytes() for _, s in self.runs)
-
-
 def _int4_product(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
     """x (b, M, K) times the codes `packed` (b, N, K/2, the CPU int4 kernel's layout of N rows of K codes),
     de-quantized by `sz` (b, K / group, N, 2; `_int4_scales`): (b, M, N) in x's dtype. PyTorch's
@@ -484,17 +420,10 @@ class LatentKVLayer(CacheLayerMixin):
 
     def __init__(self, positions: _Positions, bits: int = 4, group: int = 64, window: int = 64, sink: int = 16,
                  grid: str = "search", key_bits: int | None = None, sliding_window: int | None = None,
-                 rotated_keys: bool = False, key_widths: list[int] | None = None,
-                 value_widths: list[int] | None = None):
+                 rotated_keys: bool = False):
         super().__init__()
         self.positions, self.bits, self.group, self.window, self.sink = positions, bits, group, window, sink
         self.grid, self.key_bits = grid, bits if key_bits is None else key_bits
-        # a width per latent channel (None: the stream's one width); one width for all of them is that width
-        if key_widths is not None and len(set(key_widths)) == 1:
-            self.key_bits, key_widths = key_widths[0], None
-        if value_widths is not None and len(set(value_widths)) == 1:
-            self.bits, value_widths = value_widths[0], None
-        self.key_widths, self.value_widths = key_widths, value_widths
         self.rotated_keys = rotated_keys  # keys latent after RoPE (scored in place; before RoPE they are rebuilt)
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
@@ -502,26 +431,21 @@ class LatentKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = None
-        self.k = self._stream(self.key_bits, self.key_widths)
-        self.v = self._stream(self.bits, self.value_widths)
+        self.k = _Latents(self.key_bits, self.group, self.window, self.sink, self.grid)
+        self.v = _Latents(self.bits, self.group, self.window, self.sink, self.grid)
         self.offset = 0  # tokens forgotten at the front (sliding-window layers)
         self.seen = 0  # every token ever added
         self.pending = None  # the dense states of the tokens being added, until the attention takes them
         self.is_initialized = False
-
-    def _stream(self, bits: int, widths: list[int] | None):
-        if widths is not None:
-            return _MixedLatents(widths, self.group, self.window, self.sink, self.grid)
-        return _Latents(bits, self.group, self.window, self.sink, self.grid)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
         if self.is_sliding:
             return
-        if self.rotated_keys and self.key_widths is None and kernel_ready(self.key_bits, self.group, self.device):
+        if self.rotated_keys and kernel_ready(self.key_bits, self.group, self.device):
             self.k = _KernelKeys(self.key_bits, self.group, self.window, self.sink, self.grid)
-        if self.value_widths is None and kernel_ready(self.bits, self.group, self.device):
+        if kernel_ready(self.bits, self.group, self.device):
             self.v = _KernelValues(self.bits, self.group, self.window, self.sink, self.grid)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -602,12 +526,7 @@ class LatentKVCache(Cache):
         self.settings = {k: v if given[k] is None else given[k] for k, v in latent_settings(model).items()}
         if bits is not None and key_bits is None:  # one width given: both streams at it
             self.settings["key_bits"] = bits
-        # no width at all (widths="channel"): each latent channel at its module's width
-        per_channel = self.settings["bits"] is None and self.settings["key_bits"] is None
-        _check_settings({**self.settings, "bits": 4} if per_channel else self.settings)
-        if per_channel and any(m.widths is None for a in found.values() for m in (a.k_proj, a.v_proj)):
-            raise ValueError("LatentKVCache: the model's latent projections carry no per-channel widths and no bits= "
-                             "was given; allowed: bits= (and key_bits=), or a model compressed with widths='channel'")
+        _check_settings(self.settings)
         self.token_positions = _Positions()
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
         latent_sliding = {i in found for i, kind in enumerate(types) if kind == "sliding_attention"}
@@ -618,11 +537,8 @@ class LatentKVCache(Cache):
         for i, kind in enumerate(types):
             sliding = getattr(cfg, "sliding_window", None) if kind == "sliding_attention" else None
             if i in found:
-                attn = found[i]
-                widths = {"key_widths": attn.k_proj.widths, "value_widths": attn.v_proj.widths} if per_channel else {}
-                flat = {**self.settings, "bits": 4} if per_channel else self.settings
-                layers.append(LatentKVLayer(self.token_positions, sliding_window=sliding, **flat, **widths,
-                                            rotated_keys=isinstance(attn.k_proj, LatentKeyLinear)))
+                layers.append(LatentKVLayer(self.token_positions, sliding_window=sliding, **self.settings,
+                                            rotated_keys=isinstance(found[i].k_proj, LatentKeyLinear)))
             elif sliding is not None:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=sliding))
             else:

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...decompositions.quantize import BITS
 from ...layers.base import FactorizedModule, register_layer
 
 
@@ -26,21 +25,14 @@ class _GroupedLatent(FactorizedModule):
     a latent of their own rank, side by side in one latent of ``sum(ranks)`` columns."""
 
     spec_fields = {"in_features": "int>=1", "out_features": "int>=1", "ranks": "ints>=1", "bias": "bool"}
-    # the code width of each latent channel in the cache (``kv_bytes`` spread over the channels); absent: the
-    # cache's one width for the stream
-    optional_fields = {"widths": "ints>=1"}
 
-    def __init__(self, in_features: int, out_features: int, ranks: list[int], widths: list[int] | None = None):
+    def __init__(self, in_features: int, out_features: int, ranks: list[int]):
         super().__init__()
         groups = len(ranks)
         if not ranks or out_features % groups or any(r > out_features // groups for r in ranks):
             raise ValueError(f"{type(self).__name__}.ranks: got {ranks!r} for {out_features} outputs; allowed: one rank "
                              "per group of heads, the groups dividing the outputs evenly, each rank at most its group's rows")
-        if widths is not None and (len(widths) != sum(ranks) or any(w not in BITS for w in widths)):
-            raise ValueError(f"{type(self).__name__}.widths: got {len(widths)} widths (set {sorted(set(widths))}) for "
-                             f"{sum(ranks)} latent channels; allowed: None, or one of {BITS} per latent channel")
         self.in_features, self.out_features, self.ranks = in_features, out_features, list(ranks)
-        self.widths = None if widths is None else [int(w) for w in widths]
         self.group_out = out_features // groups
 
     @property
@@ -57,13 +49,11 @@ class _GroupedLatent(FactorizedModule):
 
     def spec(self) -> dict:
         return {"layer": self.layer_type, "in_features": self.in_features, "out_features": self.out_features,
-                "ranks": list(self.ranks), "bias": self.bias is not None,
-                **({} if self.widths is None else {"widths": list(self.widths)})}
+                "ranks": list(self.ranks), "bias": self.bias is not None}
 
     @classmethod
     def from_spec(cls, spec: dict, dtype=None, root=None):
-        return cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype,
-                   widths=spec.get("widths"))
+        return cls(spec["in_features"], spec["out_features"], spec["ranks"], bias=spec["bias"], dtype=dtype)
 
 
 @register_layer
@@ -71,8 +61,8 @@ class LatentKVLinear(_GroupedLatent):
     layer_type = "latent_kv"
 
     def __init__(self, in_features: int, out_features: int, ranks: list[int], bias: bool = False, dtype=None,
-                 device=None, widths: list[int] | None = None):
-        super().__init__(in_features, out_features, ranks, widths)
+                 device=None):
+        super().__init__(in_features, out_features, ranks)
         self.down = nn.Parameter(torch.empty(sum(ranks), in_features, dtype=dtype, device=device))
         self.weight = nn.Parameter(torch.empty(self.group_out, sum(ranks), dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
@@ -131,8 +121,8 @@ class LatentKeyLinear(_GroupedLatent):
     layer_type = "latent_kv_key"
 
     def __init__(self, in_features: int, out_features: int, ranks: list[int], bias: bool = False, dtype=None,
-                 device=None, widths: list[int] | None = None):
-        super().__init__(in_features, out_features, ranks, widths)
+                 device=None):
+        super().__init__(in_features, out_features, ranks)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self.down = nn.Parameter(torch.empty(sum(ranks), self.group_out, dtype=dtype, device=device))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from ...decompositions import relative_error
-from ...decompositions.quantize import BITS, gaussian_distortion
 from ...decompositions.svd import output_basis, whitening_factor
 from ...validation import fail, is_int, is_number, resolve_rank
 from ..base import Allocation, Context, Method, register_method, spec_fail
@@ -110,55 +109,6 @@ def stream_bits(name: str, o: dict) -> int:
     return o["key_bits"] if name.endswith("k_proj") else o["bits"]
 
 
-WIDTHS = ("uniform", "channel")
-CHANNEL_STEPS = (0,) + BITS  # the widths a latent channel climbs through under ``widths="channel"`` (0: dropped)
-
-
-class WidthLadder:
-    """The rungs of one projection's ladder under ``widths="channel"``, replayed on demand (a list of every rung's
-    widths would hold channels x widths lists): rung j is the first channel of each group at 2 bits, then the first
-    j steps of `steps` ((group, channel, width) each, one channel one width up)."""
-
-    def __init__(self, sizes: list[int], steps: list[tuple[int, int, int]]):
-        self.sizes, self.steps = sizes, steps
-
-    def __len__(self) -> int:
-        return len(self.steps) + 1
-
-    def __getitem__(self, rung: int) -> list[list[int]]:
-        widths = [[BITS[0]] + [0] * (n - 1) for n in self.sizes]
-        for g, i, b in self.steps[:rung]:
-            widths[g][i] = b
-        return widths
-
-
-def channel_ladder(spectra: list[torch.Tensor], unit, group: int, grid: str):
-    """Code widths per latent channel for a byte budget, by reverse water-filling: a channel of energy p at b bits
-    loses p · D(b) (D: `gaussian_distortion`, 1 when dropped) and costs ``unit(b)``; every step up one width of
-    one channel is taken in the order of the loss it saves per byte. The energies are sorted, so a channel never
-    gets fewer bits than a weaker one, and the dropped channels are each group's last (its rank shrinks). Returns
-    (costs, losses, `WidthLadder`), the losses absolute (the caller scales them)."""
-    dist = [gaussian_distortion(b, group, grid) for b in CHANNEL_STEPS]
-    cost = [unit(b) for b in CHANNEL_STEPS]
-    steps = []
-    for g, p in enumerate(spectra):
-        for i, e in enumerate(p.tolist()):
-            for k in range(2 if i == 0 else 1, len(CHANNEL_STEPS)):  # each group's first channel starts at 2 bits
-                gain = e * (dist[k - 1] - dist[k]) / (cost[k] - cost[k - 1])
-                steps.append((-gain, g, i, k))
-    steps.sort()
-    c = cost[1] * len(spectra)
-    loss = sum(float(p.sum()) for p in spectra) - sum(float(p[0]) * (1 - dist[1]) for p in spectra)
-    costs, losses = [c], [loss]
-    for _, g, i, k in steps:
-        e = float(spectra[g][i])
-        c += cost[k] - cost[k - 1]
-        loss -= e * (dist[k - 1] - dist[k])
-        costs.append(c)
-        losses.append(max(loss, 0.0))
-    return costs, losses, WidthLadder([len(p) for p in spectra], [(g, i, CHANNEL_STEPS[k]) for _, g, i, k in steps])
-
-
 #: (key_bits, bits) pairs ``kv_bytes`` chooses among, widest first; below 3 bits the values narrow before the keys,
 #: whose codes cost more perplexity. Keys at 4 bits beside narrower values are left out: on the CPU 4-bit keys are
 #: quantized per token for the int4 kernel, which held them no better than 3-bit codes per channel (SmolLM2 at
@@ -185,8 +135,7 @@ class LatentKV(Method):
     default_rank = None
     layer_types = ("latent_kv", "latent_kv_key")
     remedy = "a larger rank or kv_bytes"
-    option_defaults = {"kv_bytes": None, **CACHE_DEFAULTS, "bits": None, "key_bits": None, "widths": None,
-                       "head_groups": None,
+    option_defaults = {"kv_bytes": None, **CACHE_DEFAULTS, "bits": None, "key_bits": None, "head_groups": None,
                        "whiten": True, "damping": 1e-4, "metric": "attention",
                        "key_weight": 1.0, "keys": "rotated"}
     # checkpoints from before these options: the key latent taken before RoPE, each group's codes on its min-max range
@@ -202,10 +151,6 @@ class LatentKV(Method):
             _check_settings({**o, "bits": o["key_bits"] if o["key_bits"] in BITS_ALLOWED else 4})
         else:
             _check_settings(o)
-        if o["widths"] is not None and o["widths"] not in WIDTHS:
-            fail("widths", o["widths"], "None (the budget decides: one width a stream where every channel fits at 4 "
-                 "bits, else per channel) | 'uniform' (one width a stream: bits / key_bits) | 'channel' (a width per "
-                 "latent channel, spread by kv_bytes)")
         if o["head_groups"] is not None and not is_int(o["head_groups"], 1):
             fail("head_groups", o["head_groups"], "None (one latent for all the KV heads of a layer) or an int >= 1 (KV "
                  "heads sharing one latent; it must divide the model's KV heads)")
@@ -225,27 +170,15 @@ class LatentKV(Method):
         return o
 
     def validate_rank(self, rank, options):
-        given = options["bits"] is not None or options["key_bits"] is not None
         if rank is None:
             if options["kv_bytes"] is None:
                 options["kv_bytes"] = DEFAULT_KV_BYTES
-            if options["widths"] is None:
-                every4 = 2 * value_bytes(4, options["group"]) / 4  # every channel of both streams at 4 bits
-                options["widths"] = "uniform" if given or options["kv_bytes"] >= every4 - 1e-12 else "channel"
-            if options["widths"] == "channel":
-                if given:
-                    fail("widths", "channel", "'uniform' (or None) beside bits= / key_bits= (widths='channel' chooses "
-                         "each latent channel's width from kv_bytes)")
-                return None
             if options["bits"] is None and options["key_bits"] is None:
                 options["key_bits"], options["bits"] = budget_bits(options["kv_bytes"], options["group"])
             self._pair(options)
             return None
         if options["kv_bytes"] is not None:
             fail("rank", rank, "None with kv_bytes= (the ranks are allocated from the byte budget)")
-        if options["widths"] == "channel":
-            fail("widths", "channel", "'uniform' (or None) with rank= (per-channel widths come from a kv_bytes budget)")
-        options["widths"] = "uniform"
         if options["bits"] is None and options["key_bits"] is None:
             options["bits"] = 4
         self._pair(options)
@@ -307,11 +240,10 @@ class LatentKV(Method):
             if kinds != {"k_proj", "v_proj"}:
                 fail("targets", entry.targets, f"both k_proj and v_proj of each layer (layer {li}: {sorted(kinds)})")
         if o["kv_bytes"] is not None:
-            kb, vb = (BITS[0], BITS[0]) if o["widths"] == "channel" else (o["key_bits"], o["bits"])
-            least = groups * (value_bytes(kb, o["group"]) + value_bytes(vb, o["group"])) / (4 * kv * d)
+            least = groups * (value_bytes(o["key_bits"], o["group"]) + value_bytes(o["bits"], o["group"])) / (4 * kv * d)
             if o["kv_bytes"] < least:
                 fail("kv_bytes", o["kv_bytes"], f"at least {least:.4f} (rank 1 for each of the {groups} latent group(s) "
-                     f"of a projection at key_bits={kb}, bits={vb}, group={o['group']})")
+                     f"of a projection at key_bits={o['key_bits']}, bits={o['bits']}, group={o['group']})")
 
     def check_spec(self, name, spec, entry, unit, ctx):
         groups = self._groups(entry, ctx.config)
@@ -426,12 +358,7 @@ class LatentKV(Method):
         if name.endswith("k_proj"):
             total /= entry.options["key_weight"]
         o = entry.options
-        per = module.weight.numel() / (2 * module.out_features)  # a latent dim's cost is `per` x its bytes a token
-        if o["widths"] == "channel":
-            costs, losses, alloc.settings[name] = channel_ladder(
-                spectra, lambda b: per * value_bytes(b, o["group"]) if b else 0.0, o["group"], o["grid"])
-            return costs, [x / total for x in losses]
-        unit = per * value_bytes(stream_bits(name, o), o["group"])
+        unit = module.weight.numel() * value_bytes(stream_bits(name, o), o["group"]) / (2 * module.out_features)  # a latent dim's cost
         ranks = [1] * groups
         loss = sum(float(p[1:].sum()) for p in spectra)
         steps = sorted(((float(p[j]), g) for g, p in enumerate(spectra) for j in range(1, len(p))), reverse=True)
@@ -455,12 +382,8 @@ class LatentKV(Method):
             rotated = self._rotated(name, entry)
             bases = self._key_basis(name, lin, stats, entry, groups, ctx.config, ctx.layers, metrics) if rotated \
                 else self._basis(lin, stats, entry, groups, metrics)
-            widths = None
             if ctx.allocation is not None:
                 ranks = ctx.allocation.settings[name][ctx.allocation.rungs[name]]
-                if entry.options["widths"] == "channel":  # per group its channels' widths, the dropped (0) last
-                    kept = [[b for b in wg if b] for wg in ranks]
-                    ranks, widths = [len(k) for k in kept], [b for k in kept for b in k]
             else:
                 ranks = [resolve_rank(entry.rank, u.shape[1]) for u, _ in bases]
             w = lin.weight.detach().float()
@@ -472,8 +395,7 @@ class LatentKV(Method):
                     downs.append((u[:, :r] * a[:, None]).T.float())
                 bias = None if lin.bias is None else lin.bias.detach()
                 new = LatentKeyLinear.build(lin.weight.detach(), bias, ups, downs, lin.weight.dtype)
-                new.widths = widths
-                out[name] = (new, {**self._report(name, bases, ranks, entry, lin, widths),  # the rotated keys' error: the weight is kept
+                out[name] = (new, {**self._report(name, bases, ranks, entry, lin),  # the rotated keys' error: the weight is kept
                                    "rel_error": _dropped(bases, ranks)})
                 continue
             for g, ((u, _), r, wg) in enumerate(zip(bases, ranks, w.chunk(groups, 0))):
@@ -490,21 +412,17 @@ class LatentKV(Method):
                 downs.append(down.float())
             bias = None if lin.bias is None else lin.bias.detach()
             new = LatentKVLinear.build(ups, downs, bias, lin.weight.dtype)
-            new.widths = widths
-            out[name] = (new, {**self._report(name, bases, ranks, entry, lin, widths),
+            out[name] = (new, {**self._report(name, bases, ranks, entry, lin),
                                "rel_error": relative_error(w, new.dense_weight().detach().float())})
         return out
 
     @staticmethod
-    def _report(name, bases, ranks, entry, lin, widths=None) -> dict:
-        """Ranks, the share of the (whitened; rotated keys: after RoPE) output energy dropped, the bytes' share
-        (and with per-channel widths, their mean)."""
-        o = entry.options
-        each = widths or [stream_bits(name, o)] * sum(ranks)
+    def _report(name, bases, ranks, entry, lin) -> dict:
+        """Ranks, the share of the (whitened; rotated keys: after RoPE) output energy dropped, the bytes' share."""
         return {"ranks": ranks, "rank": sum(ranks),
-                **({"whitened_error": _dropped(bases, ranks)} if o["whiten"] else {}),
-                **({"mean_width": round(sum(widths) / len(widths), 3)} if widths else {}),
-                "kv_fraction": round(sum(value_bytes(b, o["group"]) for b in each) / (2 * lin.out_features), 6)}
+                **({"whitened_error": _dropped(bases, ranks)} if entry.options["whiten"] else {}),
+                "kv_fraction": round(sum(ranks) * value_bytes(stream_bits(name, entry.options), entry.options["group"])
+                                     / (2 * lin.out_features), 6)}
 
     def finish(self, model, entry, ctx, runner):
         from .attention import enable
