@@ -243,6 +243,28 @@ def test_the_budget_picks_the_widest_codes_that_keep_every_channel(tiny_dirs, tm
     assert sum(m.latent_size for m in LATENT_KEYS(load(tiny_dirs["qwen3"]))) == full
 
 
+def test_prompt_widths_take_the_average_the_budget_allows_and_reload(tiny_dirs, tmp_path):
+    """widths='prompt', bits=None: the average width at which every channel fits kv_bytes, in eighths of a bit
+    (groups of 8: (2 · 0.35 - 3/8) · 8 = 2.6 -> 2.5 bits; 2.5/8 + 3/8 = 0.6875 bytes of a bf16 value's 2, within
+    0.35), every channel kept; the cache chooses each channel's width from the prompt, averaging at most that, and
+    a reload does the same."""
+    full = 32 * 2 * 3
+    model = load(tiny_dirs["qwen3"], kv_bytes=0.35, group=8, window=0, widths="prompt")
+    o = model.config.quantization_config.entries[0].options
+    assert (o["key_bits"], o["bits"], o["widths"]) == (2.5, 2.5, "prompt")
+    assert sum(m.latent_size for m in LATENT_KEYS(model)) == full
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = long_ids(n=24)
+    a, cache = decode_logits(model, ids, 9)
+    b, cache2 = decode_logits(again, ids, 9)
+    assert torch.allclose(a, b, atol=1e-5)
+    for layer in (cache.layers[0], cache2.layers[0]):
+        runs = [(len(idx), w) for idx, w in layer.v.runs]
+        assert sum(n for n, _ in runs) == 32 and sum(n * w for n, w in runs) <= 2.5 * 32
+        assert len(runs) > 1 and layer.v.n_quantized > 0
+
+
 def test_whitened_fit_minimises_the_output_error_on_the_calibration_inputs(tiny_dirs):
     """whiten=True: the recorded whitened error is the first projection's output error on the calibration inputs
     (ids of four tokens of the vocabulary here), far below the plain SVD's there; the model stays closer too."""
@@ -336,6 +358,19 @@ def test_generate_with_quantized_latents_runs_and_stays_close(tiny_dirs):
     assert out.shape == (2, 36)
 
 
+def test_prompt_widths_at_one_width_decode_as_that_width(tiny_dirs):
+    """widths='prompt' averaging 8 bits gives every channel 8 bits: generate (beam search over left-padded rows, a
+    model with sliding-window layers that forget groups) picks the same tokens as one 8-bit width a stream, so
+    the per-width runs follow the beams' reorders, selections and drops as the plain stream does."""
+    model = load(tiny_dirs["gemma3"], rank=1.0, bits=8, group=8, window=4, sink=2)
+    ids = long_ids(n=10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, num_beams=3, pad_token_id=0)
+    assert torch.equal(model.generate(ids, past_key_values=LatentKVCache(model, widths="prompt"), **kw),
+                       model.generate(ids, past_key_values=LatentKVCache(model), **kw))
+
+
 def test_save_reload_uses_latent_cache_without_arguments(tiny_dirs, tmp_path):
     model = load(tiny_dirs["llama"], kv_bytes=0.2, bits=4, group=8, window=2)
     ids = long_ids()
@@ -346,7 +381,8 @@ def test_save_reload_uses_latent_cache_without_arguments(tiny_dirs, tmp_path):
     assert [m.ranks for m in LATENT_KEYS(again)] == [m.ranks for m in LATENT_KEYS(model)]
     assert isinstance(again.model.layers[0].self_attn.k_proj, LatentKeyLinear)
     after, cache = decode_logits(again, ids, 5)
-    assert cache.settings == {"bits": 4, "group": 8, "window": 2, "sink": 16, "grid": "search", "key_bits": 4}
+    assert cache.settings == {"bits": 4, "group": 8, "window": 2, "sink": 16, "grid": "search", "key_bits": 4,
+                              "widths": "stream"}
     assert torch.equal(after, before)
     # a checkpoint written before the options (no "grid", no "key_bits" saved) keeps the min-max range its codes were measured with
     import json
@@ -436,6 +472,10 @@ def test_bad_cache_settings_name_the_field(tiny_dirs):
         LatentKVCache(model, bits=1)
     with pytest.raises(ValueError, match=r"\bgroup\b.*allowed"):
         LatentKVCache(model, group=10)
+    with pytest.raises(ValueError, match=r"\bwidths\b.*allowed"):
+        LatentKVCache(model, widths="channel")
+    with pytest.raises(ValueError, match=r"\bbits\b.*allowed"):
+        LatentKVCache(model, bits=1.5, widths="prompt")
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
@@ -450,19 +490,23 @@ def test_codes_come_back_from_their_planes_in_token_order(bits):
     assert torch.equal(torch.cat(_planes(packed.view(1, 1, 7, -1), bits, 64), -1).view(7, 64), codes)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_attention_on_codes_equals_attention_on_dequantized_latents(bits):
+@pytest.mark.parametrize("bits, widths", [(2, "stream"), (3, "stream"), (4, "stream"), (3.5, "prompt")])
+def test_attention_on_codes_equals_attention_on_dequantized_latents(bits, widths):
     """The decode attention multiplies the codes as they are (scales and zero points folded into the query and
-    the sums); the result is the product with the de-quantized latents `read` gives, sink and window included."""
+    the sums; with a width per channel, run by run); the result is the product with the de-quantized latents
+    `read` gives, sink and window included."""
     from hf_tensorcomp.methods.latent_kv.cache import LatentKVLayer, _Positions
 
     gen = torch.Generator().manual_seed(0)
-    layer = LatentKVLayer(_Positions(), bits=bits, group=8, window=3, sink=2)
+    layer = LatentKVLayer(_Positions(), bits=bits, key_bits=bits, group=8, window=3, sink=2, widths=widths)
     layer.lazy_initialization(torch.zeros(1), None)
+    spread = torch.tensor([0.1, 3.0, 1.0, 0.01, 10.0, 0.5])  # channels of different ranges: different widths
     for n in (5, 1, 17, 1, 9):
-        layer.add(torch.randn(2, n, 6, generator=gen), torch.randn(2, n, 6, generator=gen), None)
+        layer.add(torch.randn(2, n, 6, generator=gen) * spread, torch.randn(2, n, 6, generator=gen) * spread, None)
     total = layer.held()
     assert layer.v.n_quantized == 24 and layer.v.n_head == 2
+    if widths == "prompt":  # several runs, interleaved with the head groups' columns
+        assert len(layer.k.runs) > 1 and len(layer.v.runs) > 1
     k_proj = LatentKeyLinear(4, 8, [3, 3])  # 2 KV heads of 4 dims, a latent of 3 each
     torch.nn.init.normal_(k_proj.up, generator=gen)
     qg = torch.randn(2, 2, 5, 4, generator=gen)
@@ -475,6 +519,40 @@ def test_attention_on_codes_equals_attention_on_dequantized_latents(bits):
     got = latent_attention._weigh_values(layer, w, [slice(0, 3), slice(3, 6)], torch.float32)  # a group a KV head
     for g in range(2):
         assert torch.allclose(got[g], torch.matmul(w[:, g:g + 1], z[:, None, :, 3 * g:3 * g + 3]), atol=1e-5)
+
+
+def test_water_filling_gives_the_bits_to_the_energy():
+    """Closed form: one channel 4^4 times the energy of three others, 3 bits a channel on average, at least 2
+    each: the 4 spare bits all go to it (each quarters its error; the first saves 12, the last 0.19, more than a
+    bit anywhere else, 0.05), and the widths average what they may."""
+    from hf_tensorcomp.decompositions.allocation import water_fill_widths
+    from hf_tensorcomp.decompositions.quantize import BITS
+
+    assert water_fill_widths(torch.tensor([4.0**4, 1, 1, 1]), 3, BITS) == [6, 2, 2, 2]
+    assert water_fill_widths(torch.tensor([1.0, 1, 1, 1]), 2, BITS) == [2, 2, 2, 2]
+    assert sum(water_fill_widths(torch.rand(50), 3.3, BITS)) <= 3.3 * 50
+
+
+def test_prompt_widths_keep_the_latents_better_than_one_width_at_the_same_bytes():
+    """Channels whose ranges differ (a projection's singular directions do): widths from the prompt's variances,
+    averaging 3 bits, hold the later tokens with less squared error than 3 bits on every channel, in no more
+    bytes."""
+    from hf_tensorcomp.methods.latent_kv.cache import LatentKVLayer, _Positions
+
+    gen = torch.Generator().manual_seed(1)
+    spread = torch.logspace(0, -2, 32)
+    z = torch.randn(1, 1024, 32, generator=gen) * spread
+    err, held = {}, {}
+    for widths in ("stream", "prompt"):
+        layer = LatentKVLayer(_Positions(), bits=3, key_bits=3, group=64, window=64, sink=0, widths=widths)
+        layer.lazy_initialization(torch.zeros(1), None)
+        layer.add(z[:, :512], z[:, :512], None)  # the prompt
+        for t in range(512, 1024, 64):
+            layer.add(z[:, t:t + 64], z[:, t:t + 64], None)
+        err[widths] = (layer.v.read(0, 1024, torch.float32) - z).pow(2).sum().item()
+        held[widths] = layer.nbytes()
+    assert held["prompt"] <= held["stream"]
+    assert err["prompt"] < 0.7 * err["stream"]
 
 
 def _kernel_layer(monkeypatch, r=40, chunk=128, batch=2):

@@ -96,3 +96,13 @@ def multilinear_ranks(tensor: torch.Tensor, modes: Sequence[int], count: Callabl
             return None
         ranks[best] -= 1
     return ranks
+
+
+def water_fill_widths(energy: torch.Tensor, mean: float, widths: Sequence[int]) -> list[int]:
+    """A code width per channel from `widths` (increasing) averaging at most `mean`, for the least summed squared
+    round-trip error when channel i's error is ``energy[i] · 4^-width`` (reverse water-filling: each further bit
+    quarters a channel's error, so the bits go where the energy is). Every channel gets at least ``widths[0]``."""
+    e = [float(x) for x in energy]
+    ladders = {i: (list(widths), [x * 4.0 ** -b for b in widths]) for i, x in enumerate(e)}
+    chosen = allocate(ladders, max(mean * len(e), widths[0] * len(e)))
+    return [widths[chosen[i]] for i in range(len(e))]

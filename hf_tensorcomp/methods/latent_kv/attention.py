@@ -94,11 +94,42 @@ def _through_latent(k_proj: LatentKeyLinear, key: torch.Tensor) -> torch.Tensor:
     return k_proj.expand(k_proj.latent(key.transpose(1, 2).reshape(b, t, h * d))).view(b, t, h, d).transpose(1, 2)
 
 
+def _overlaps(runs: list, cols: slice):
+    """Per run of a ``("runs", ...)`` piece (channels of one width) that has channels among the latent columns
+    `cols`: those channels as indices into `cols` and into the run, and the run's planes, scale and zero."""
+    for idx, *codes in runs:
+        inside = (idx >= cols.start) & (idx < cols.stop)
+        if inside.all():  # the whole run (one latent group: always): its codes read without a gather
+            yield idx - cols.start, slice(None), codes
+        elif inside.any():
+            yield idx[inside] - cols.start, inside.nonzero().view(-1), codes
+
+
+def _code_scores(ql: torch.Tensor, planes, scale, zero, cols) -> torch.Tensor:
+    """ql (b, M, R_cols) against quantized groups, channels `cols` of theirs (a slice or indices): (b, M, n * group).
+    The scales go into the query and the codes are multiplied as they are (q·(c - z)s = (q s)·c - (q s)·z), so no
+    latent is de-quantized into a copy."""
+    b, m = ql.shape[:2]
+    qs = ql[:, None] * scale[:, :, None, cols]  # (b, n, M, R_cols)
+    sc = torch.cat([torch.matmul(qs, c[:, :, cols]) for c in planes], -1) \
+        - (qs * zero[:, :, None, cols]).sum(-1, keepdim=True)
+    return sc.transpose(1, 2).reshape(b, m, -1)
+
+
+def _code_values(wn: torch.Tensor, planes, scale, zero, cols) -> torch.Tensor:
+    """Σ_t w_t z_t over quantized groups, channels `cols` of theirs: wn (b, n, M, group) -> (b, M, R_cols); the
+    codes are multiplied as they are, plane by plane, and the scales and zero points applied to the sums."""
+    width = planes[0].shape[3]
+    wc = sum(torch.matmul(c[:, :, cols], wn[..., i * width:(i + 1) * width].transpose(2, 3))
+             for i, c in enumerate(planes))  # (b, n, R_cols, M)
+    sc = scale[:, :, cols]
+    return (wc * sc[..., None]).sum(1).transpose(1, 2) - torch.matmul(wn.sum(-1).transpose(1, 2), zero[:, :, cols] * sc)
+
+
 def _score_latent(k_proj: LatentKeyLinear, layer: LatentKVLayer, qg: torch.Tensor, total: int, dtype) -> torch.Tensor:
     """Scores (b, kv_heads, rep*q, total) of the grouped queries against the key latents taken after RoPE: each
-    query is carried into its group's latent (upᵀ q, R_g numbers) and multiplied with the stored latents; on the
-    quantized groups the scales go into the query and the codes are multiplied as they are (q·(c - z)s =
-    (q s)·c - (q s)·z), so no latent is de-quantized into a copy."""
+    query is carried into its group's latent (upᵀ q, R_g numbers) and multiplied with the stored latents, the
+    quantized ones in place (`_code_scores`)."""
     b, kv_heads, m, d = qg.shape
     slices = k_proj.group_slices()
     per = kv_heads // len(slices)
@@ -115,11 +146,10 @@ def _score_latent(k_proj: LatentKeyLinear, layer: LatentKVLayer, qg: torch.Tenso
             if piece[0] == "tokens":
                 parts.append(layer.k.scores(ql, cols))
                 continue
-            _, planes, scale, zero = piece
-            qs = ql[:, None] * scale[:, :, None, cols]  # (b, n, M, R_g)
-            sc = torch.cat([torch.matmul(qs, c[:, :, cols]) for c in planes], -1) \
-                - (qs * zero[:, :, None, cols]).sum(-1, keepdim=True)
-            parts.append(sc.transpose(1, 2).reshape(b, per * m, -1))
+            if piece[0] == "runs":  # a width per channel: the runs' partial scores add up
+                parts.append(sum(_code_scores(ql[..., at], *codes, own) for at, own, codes in _overlaps(piece[1], cols)))
+                continue
+            parts.append(_code_scores(ql, *piece[1:], cols))
         out.append((parts[0] if len(parts) == 1 else torch.cat(parts, -1)).view(b, per, m, total))
     return out[0] if len(out) == 1 else torch.cat(out, 1)
 
@@ -144,17 +174,15 @@ def _weigh_values(layer: LatentKVLayer, w: torch.Tensor, slices: list[slice], dt
                 part = layer.v.chunk_product(piece[1], wg[..., start:start + layer.v.chunk], cols)
                 start += layer.v.chunk
             else:
-                _, planes, scale, zero = piece
-                n, width = planes[0].shape[1], planes[0].shape[3]
-                group = width * len(planes)
+                n, group = piece[1][0][1][0].shape[1] if piece[0] == "runs" else piece[1][0].shape[1], layer.v.group
                 wn = wg[..., start:start + n * group].reshape(b, per * m, n, group).transpose(1, 2)  # (b, n, M, group)
                 start += n * group
-                # Σ_t w_t c_t plane by plane: (b, n, R_g, width) @ (b, n, width, M)
-                wc = sum(torch.matmul(c[:, :, cols], wn[..., i * width:(i + 1) * width].transpose(2, 3))
-                         for i, c in enumerate(planes))
-                sc = scale[:, :, cols]
-                part = (wc * sc[..., None]).sum(1).transpose(1, 2) \
-                    - torch.matmul(wn.sum(-1).transpose(1, 2), zero[:, :, cols] * sc)  # (b, M, R_g)
+                if piece[0] == "runs":  # a width per channel: each run fills its own columns
+                    part = wn.new_zeros(b, per * m, cols.stop - cols.start)
+                    for at, own, codes in _overlaps(piece[1], cols):
+                        part[..., at] = _code_values(wn, *codes, own)
+                else:
+                    part = _code_values(wn, *piece[1:], cols)  # (b, M, R_g)
             y = part if y is None else y + part
         out.append(y.view(b, per, m, -1))
     return out

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
+from ...decompositions.allocation import water_fill_widths
 from ...decompositions.hadamard import rotate, rotation_signs, unrotate
 from ...decompositions.quantize import BITS, GRIDS, quantize_rtn
 from ...layout import find_decoder_layers, head_dim
@@ -187,11 +188,8 @@ class _Latents:
     def _read_codes(self, start: int, end: int, dtype) -> torch.Tensor:
         """Latents [start, end) of the open codes (indices into them), de-quantized."""
         g0, g1 = start // self.group, -(-end // self.group)
-        codes = self.codes[:, g0:g1]
-        b, n, r, _ = codes.shape
-        c = torch.cat(_planes(codes, self.bits, self.group), -1).to(dtype)
-        z = (c - self.zero[:, g0:g1, :, None].to(dtype)) * self.scale[:, g0:g1, :, None].to(dtype)
-        return z.transpose(2, 3).reshape(b, n * self.group, r)[:, start - g0 * self.group: end - g0 * self.group]
+        z = _decode(self.codes[:, g0:g1], self.scale[:, g0:g1], self.zero[:, g0:g1], self.bits, self.group, dtype)
+        return z[:, start - g0 * self.group: end - g0 * self.group]
 
     def pieces(self, dtype) -> list[tuple]:
         """Everything held, oldest first, in the form the attention multiplies without a dense copy of the
@@ -224,24 +222,97 @@ class _Latents:
     def drop_groups(self, n: int) -> None:
         """Forget the oldest `n` quantized groups (or, unquantized, the oldest `n * group` tokens)."""
         if self.codes is not None:
-            self.codes, self.scale, self.zero = self.codes[:, n:], self.scale[:, n:], self.zero[:, n:]
+            self._map(("codes", "scale", "zero"), lambda t: t[:, n:])
         else:
             self.tail = self.tail[:, n * self.group:]
 
-    HELD = ("head", "codes", "scale", "zero", "tail")  # the tensors held, each with the batch first
+    HELD = ("head", "codes", "scale", "zero", "tail")  # the tensors held, each with the batch first (or lists of them)
+
+    def _map(self, names, fn) -> None:
+        """Replace each tensor held under `names` (a tensor, or a list of them) by `fn` of it."""
+        for name in names:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, [fn(x) for x in t] if isinstance(t, list) else fn(t))
 
     def select(self, fn) -> None:
         """Apply `fn` to the batch dimension of every tensor held (beam reorder, repeat, select)."""
-        for name in self.HELD:
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, fn(t))
+        self._map(self.HELD, fn)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (getattr(self, name) for name in self.HELD) if t is not None]
+        held = [getattr(self, name) for name in self.HELD]
+        return [x for t in held if t is not None for x in (t if isinstance(t, list) else [t])]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int, dtype) -> torch.Tensor:
+    """Codes (b, n, R, bytes) of `_pack_planes` with their scales and zero points (b, n, R): the latents of the
+    n groups' tokens, (b, n * group, R) in `dtype`."""
+    b, n, r, _ = codes.shape
+    c = torch.cat(_planes(codes, bits, group), -1).to(dtype)
+    z = (c - zero[..., None].to(dtype)) * scale[..., None].to(dtype)
+    return z.transpose(2, 3).reshape(b, n * group, r)
+
+
+class _PromptLatents(_Latents):
+    """A stream whose latent channels each have a code width of their own (``widths="prompt"``), averaging ``mean``
+    bits: chosen when its first group of tokens is quantized, from the variance of every token seen so far (in
+    practice the prompt), by reverse water-filling over the widths of `BITS` (`water_fill_widths`: a channel's
+    squared round-trip error taken as its variance · 4^-width). The widths come from the text being decoded, not
+    from the calibration text: fixed at the fit from calibration statistics they measured worse than one width a
+    stream. The channels of one width form a run, quantized and stored as a `_Latents` stream's codes are; the
+    quantized groups are the piece ``("runs", [(channels, planes, scale, zero), ...])``, which the attention
+    multiplies run by run, each over its own channels."""
+
+    def __init__(self, mean: float, group: int, window: int, sink: int = 0, grid: str = "minmax"):
+        super().__init__(int(mean), group, window, sink, grid)  # `bits` < 16: the window is kept in 16 bits
+        self.mean = mean
+        self.runs: list[tuple[torch.Tensor, int]] = []  # (channels (int64), width) per width, the widest first
+        # codes, scale, zero: lists, one tensor per run, as `_Latents` holds one
+
+    @property
+    def n_quantized(self) -> int:
+        return 0 if self.codes is None else self.codes[0].shape[1] * self.group
+
+    def _quantize(self, chunk: torch.Tensor) -> None:
+        b, g, r = chunk.shape
+        if not self.runs:  # every token seen so far (the tail holds `chunk`)
+            seen = self.tail if self.head is None else torch.cat([self.head, self.tail], 1)
+            widths = torch.tensor(water_fill_widths(seen.float().var(1).mean(0), self.mean, BITS))
+            self.runs = [((widths == w).nonzero().view(-1).to(chunk.device), w)
+                         for w in sorted(set(widths.tolist()), reverse=True)]
+        codes, scale, zero = [], [], []
+        for idx, bits in self.runs:
+            n = len(idx)
+            q = quantize_rtn(chunk[..., idx].transpose(1, 2).reshape(b * n, g), bits, g, self.grid)
+            codes.append(_pack_planes(q.codes.view(b * n, g), bits).view(b, 1, n, -1))
+            scale.append(q.scale.view(b, 1, n))
+            zero.append(q.zero.view(b, 1, n))
+        if self.codes is None:
+            self.codes, self.scale, self.zero = codes, scale, zero
+        else:
+            for name, new in (("codes", codes), ("scale", scale), ("zero", zero)):
+                setattr(self, name, [torch.cat([t, x], 1) for t, x in zip(getattr(self, name), new)])
+
+    def _read_codes(self, start: int, end: int, dtype) -> torch.Tensor:
+        g0, g1 = start // self.group, -(-end // self.group)
+        b = self.codes[0].shape[0]
+        out = torch.empty(b, (g1 - g0) * self.group, sum(len(idx) for idx, _ in self.runs), dtype=dtype,
+                          device=self.codes[0].device)
+        for (idx, bits), c, s, z in zip(self.runs, self.codes, self.scale, self.zero):
+            out[..., idx] = _decode(c[:, g0:g1], s[:, g0:g1], z[:, g0:g1], bits, self.group, dtype)
+        return out[:, start - g0 * self.group: end - g0 * self.group]
+
+    def pieces(self, dtype) -> list[tuple]:
+        out = [("dense", self.head.to(dtype))] if self.head is not None else []
+        if self.codes is not None:
+            out.append(("runs", [(idx, [p.to(dtype) for p in _planes(c, bits, self.group)], s.to(dtype), z.to(dtype))
+                                 for (idx, bits), c, s, z in zip(self.runs, self.codes, self.scale, self.zero)]))
+        if self.tail is not None and self.tail.shape[1]:
+            out.append(("dense", self.tail.to(dtype)))
+        return out
 
 
 def _int4_product(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
@@ -420,10 +491,11 @@ class LatentKVLayer(CacheLayerMixin):
 
     def __init__(self, positions: _Positions, bits: int = 4, group: int = 64, window: int = 64, sink: int = 16,
                  grid: str = "search", key_bits: int | None = None, sliding_window: int | None = None,
-                 rotated_keys: bool = False):
+                 rotated_keys: bool = False, widths: str = "stream"):
         super().__init__()
         self.positions, self.bits, self.group, self.window, self.sink = positions, bits, group, window, sink
         self.grid, self.key_bits = grid, bits if key_bits is None else key_bits
+        self.widths = widths  # "stream": every channel of a stream at its width; "prompt": the width its average
         self.rotated_keys = rotated_keys  # keys latent after RoPE (scored in place; before RoPE they are rebuilt)
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
@@ -431,8 +503,9 @@ class LatentKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = None
-        self.k = _Latents(self.key_bits, self.group, self.window, self.sink, self.grid)
-        self.v = _Latents(self.bits, self.group, self.window, self.sink, self.grid)
+        stream = _PromptLatents if self.widths == "prompt" else _Latents
+        self.k = stream(self.key_bits, self.group, self.window, self.sink, self.grid)
+        self.v = stream(self.bits, self.group, self.window, self.sink, self.grid)
         self.offset = 0  # tokens forgotten at the front (sliding-window layers)
         self.seen = 0  # every token ever added
         self.pending = None  # the dense states of the tokens being added, until the attention takes them
@@ -441,7 +514,7 @@ class LatentKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
-        if self.is_sliding:
+        if self.is_sliding or self.widths == "prompt":
             return
         if self.rotated_keys and kernel_ready(self.key_bits, self.group, self.device):
             self.k = _KernelKeys(self.key_bits, self.group, self.window, self.sink, self.grid)
@@ -519,10 +592,12 @@ class LatentKVCache(Cache):
     not latent get transformers' own dynamic layers."""
 
     def __init__(self, model, bits: int | None = None, group: int | None = None, window: int | None = None,
-                 sink: int | None = None, grid: str | None = None, key_bits: int | None = None):
+                 sink: int | None = None, grid: str | None = None, key_bits: int | None = None,
+                 widths: str | None = None):
         cfg = model.config.get_text_config(decoder=True)
         found = latent_layers(model)
-        given = {"bits": bits, "group": group, "window": window, "sink": sink, "grid": grid, "key_bits": key_bits}
+        given = {"bits": bits, "group": group, "window": window, "sink": sink, "grid": grid, "key_bits": key_bits,
+                 "widths": widths}
         self.settings = {k: v if given[k] is None else given[k] for k, v in latent_settings(model).items()}
         if bits is not None and key_bits is None:  # one width given: both streams at it
             self.settings["key_bits"] = bits
@@ -600,12 +675,14 @@ def latent_layers(model: nn.Module) -> dict[int, nn.Module]:
 
 
 #: the cache settings a model uses when its config says nothing
-CACHE_DEFAULTS = {"bits": 4, "group": 64, "window": 64, "sink": 16, "grid": "search", "key_bits": None}
+CACHE_DEFAULTS = {"bits": 4, "group": 64, "window": 64, "sink": 16, "grid": "search", "key_bits": None,
+                  "widths": "stream"}
+WIDTHS = ("stream", "prompt")
 
 
 def latent_settings(model: nn.Module) -> dict:
     """The cache settings of the model's latent_kv entry (its options ``bits``, ``group``, ``window``, ``sink``,
-    ``grid``, ``key_bits``: None, the same as ``bits``)."""
+    ``grid``, ``key_bits``: None, the same as ``bits``; ``widths``)."""
     cfg = getattr(model.config, "quantization_config", None)
     for e in getattr(cfg, "entries", None) or ():
         if getattr(e, "method", None) == "latent_kv":
@@ -617,14 +694,25 @@ BITS_ALLOWED = BITS + (16,)  # the quantizer's widths, and 16: no codes
 
 
 def _check_settings(s: dict) -> None:
-    from ...validation import fail, is_int
+    from ...validation import fail, is_int, is_number
 
-    if type(s["bits"]) is not int or s["bits"] not in BITS_ALLOWED:
-        fail("bits", s["bits"], " | ".join(map(str, BITS_ALLOWED)) + " (bits per latent value; 16: kept in the model's dtype)")
-    kb = s["key_bits"]
-    if kb is not None and (type(kb) is not int or kb not in BITS_ALLOWED or (kb >= 16) != (s["bits"] >= 16)):
-        fail("key_bits", kb, "None (the same as bits) | " + " | ".join(map(str, BITS)) + " (bits per key latent value; "
-             "16 only with bits=16: both streams quantized or neither)")
+    if s["widths"] not in WIDTHS:
+        fail("widths", s["widths"], "'stream' (every latent channel of a stream at its bits) | 'prompt' (a width per "
+             "channel from the prompt's variances, averaging bits)")
+    if s["widths"] == "prompt":
+        for name in ("bits", "key_bits"):
+            x = s[name]
+            if not (x is None and name == "key_bits") and (not is_number(x) or not BITS[0] <= x <= BITS[-1]):
+                fail(name, x, f"a number in [{BITS[0]}, {BITS[-1]}] with widths='prompt' (the average code width "
+                     f"of a stream's channels, each one of {', '.join(map(str, BITS))})")
+    else:
+        if type(s["bits"]) is not int or s["bits"] not in BITS_ALLOWED:
+            fail("bits", s["bits"], " | ".join(map(str, BITS_ALLOWED)) + " (bits per latent value; 16: kept in the "
+                 "model's dtype)")
+        kb = s["key_bits"]
+        if kb is not None and (type(kb) is not int or kb not in BITS_ALLOWED or (kb >= 16) != (s["bits"] >= 16)):
+            fail("key_bits", kb, "None (the same as bits) | " + " | ".join(map(str, BITS)) + " (bits per key latent "
+                 "value; 16 only with bits=16: both streams quantized or neither)")
     if not is_int(s["group"], 8) or s["group"] % 8 or s["group"] > 4096:
         fail("group", s["group"], "a multiple of 8 in [8, 4096] (tokens sharing one scale and zero point per channel)")
     if not is_int(s["window"], 0):

@@ -23,9 +23,12 @@ every group that rank (an int, or a fraction of the group's rows), 4-bit codes u
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...decompositions import relative_error
+from ...decompositions.quantize import BITS
 from ...decompositions.svd import output_basis, whitening_factor
 from ...validation import fail, is_int, is_number, resolve_rank
 from ..base import Allocation, Context, Method, register_method, spec_fail
@@ -128,6 +131,14 @@ def budget_bits(kv_bytes: float, group: int) -> tuple[int, int]:
     return fits[0] if fits else BUDGET_WIDTHS[-1]
 
 
+def budget_mean(kv_bytes: float, group: int) -> float:
+    """``widths="prompt"``: the average code width (keys and values alike) that ``bits=None`` takes under a `kv_bytes`
+    budget: the widest, in eighths of a bit, at which every latent channel fits (`value_bytes`), within the
+    quantizer's widths (below 2 bits: 2, and the allocation cuts channels)."""
+    mean = math.floor((2 * kv_bytes - 3 / group) * 64 + 1e-9) / 8
+    return min(max(mean, BITS[0]), BITS[-1])
+
+
 @register_method
 class LatentKV(Method):
     name = "latent_kv"
@@ -173,7 +184,9 @@ class LatentKV(Method):
         if rank is None:
             if options["kv_bytes"] is None:
                 options["kv_bytes"] = DEFAULT_KV_BYTES
-            if options["bits"] is None and options["key_bits"] is None:
+            if options["bits"] is None and options["key_bits"] is None and options["widths"] == "prompt":
+                options["key_bits"] = options["bits"] = budget_mean(options["kv_bytes"], options["group"])
+            elif options["bits"] is None and options["key_bits"] is None:
                 options["key_bits"], options["bits"] = budget_bits(options["kv_bytes"], options["group"])
             self._pair(options)
             return None
