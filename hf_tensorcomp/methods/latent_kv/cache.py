@@ -10,7 +10,8 @@ the same reason). Each group's range is searched for the least round-trip error 
 extremes buys a finer step for the rest; at 2 bits it took SmolLM2 at 2,048 tokens of context from ×1.21 to ×1.08
 perplexity) or is its min and max (``grid="minmax"``, what checkpoints written before the option use). Widths
 that do not divide a byte (3, 5, 6) are stored as parts that do (3 = 2 + 1), so each comes back with shifts and
-masks. ``bits=16``: no codes, every latent kept in the model's dtype (the exact form).
+masks. ``bits=16``: no codes, every latent kept in the model's dtype (the exact form). ``widths="prompt"``: a width
+per latent channel, ``bits`` / ``key_bits`` being a stream's average, chosen from the prompt (`_PromptLatents`).
 
 On the CPU, with 4-bit codes in groups PyTorch's int4 kernel takes (32, 64, 128, 256 tokens), the streams of a
 full-attention layer are laid out for that kernel, so that decoding reads the codes in place, one kernel call
@@ -708,7 +709,7 @@ def _check_settings(s: dict) -> None:
     else:
         if type(s["bits"]) is not int or s["bits"] not in BITS_ALLOWED:
             fail("bits", s["bits"], " | ".join(map(str, BITS_ALLOWED)) + " (bits per latent value; 16: kept in the "
-                 "model's dtype)")
+                 "model's dtype); an average such as 2.5 with widths='prompt'")
         kb = s["key_bits"]
         if kb is not None and (type(kb) is not int or kb not in BITS_ALLOWED or (kb >= 16) != (s["bits"] >= 16)):
             fail("key_bits", kb, "None (the same as bits) | " + " | ".join(map(str, BITS)) + " (bits per key latent "
