@@ -219,7 +219,7 @@ def test_the_budget_picks_the_widest_codes_that_keep_every_channel(tiny_dirs, tm
     channels cut; the widths chosen are recorded in the saved config and used by the cache's two streams, after a
     reload too."""
     full = 32 * 2 * 3  # k and v latents of 32 dims, 3 layers
-    model = load(tiny_dirs["qwen3"], kv_bytes=0.35, group=8, window=0, widths="stream")
+    model = load(tiny_dirs["qwen3"], kv_bytes=0.35, group=8, window=0)
     o = model.config.quantization_config.entries[0].options
     assert (o["key_bits"], o["bits"]) == (3, 2)
     assert sum(m.latent_size for m in LATENT_KEYS(model)) == full
@@ -234,7 +234,7 @@ def test_the_budget_picks_the_widest_codes_that_keep_every_channel(tiny_dirs, tm
     small = load(tiny_dirs["qwen3"], kv_bytes=0.2, group=8, window=0)
     latents = sum(m.latent_size for m in LATENT_KEYS(small))
     o = small.config.quantization_config.entries[0].options
-    assert (o["key_bits"], o["bits"], o["widths"]) == (2, 2, "stream")  # an average of a whole width: one width
+    assert (o["key_bits"], o["bits"]) == (2, 2)
     assert latents < full and latents * (2 / 8 + 3 / 8) <= 0.2 * 2 * full + 1e-9
     o = load(tiny_dirs["qwen3"], rank=1.0).config.quantization_config.entries[0].options
     assert (o["key_bits"], o["bits"]) == (4, 4)
@@ -246,12 +246,12 @@ def test_the_budget_picks_the_widest_codes_that_keep_every_channel(tiny_dirs, tm
 
 
 def test_prompt_widths_take_the_average_the_budget_allows_and_reload(tiny_dirs, tmp_path):
-    """Below 3 bits on both streams the budget gives each channel its width from the prompt (widths=None: 'prompt'),
-    averaging the width at which every channel fits kv_bytes, in eighths of a bit (groups of 8: (2 · 0.35 - 3/8) ·
-    8 = 2.6 -> 2.5 bits; 2.5/8 + 3/8 = 0.6875 bytes of a bf16 value's 2, within 0.35), every channel kept; the
-    cache chooses each channel's width from the prompt, averaging at most that, and a reload does the same."""
+    """widths='prompt', bits=None: the average width at which every channel fits kv_bytes, in eighths of a bit
+    (groups of 8: (2 · 0.35 - 3/8) · 8 = 2.6 -> 2.5 bits; 2.5/8 + 3/8 = 0.6875 bytes of a bf16 value's 2, within
+    0.35), every channel kept; the cache chooses each channel's width from the prompt, averaging at most that, and
+    a reload does the same."""
     full = 32 * 2 * 3
-    model = load(tiny_dirs["qwen3"], kv_bytes=0.35, group=8, window=0)
+    model = load(tiny_dirs["qwen3"], kv_bytes=0.35, group=8, window=0, widths="prompt")
     o = model.config.quantization_config.entries[0].options
     assert (o["key_bits"], o["bits"], o["widths"]) == (2.5, 2.5, "prompt")
     assert sum(m.latent_size for m in LATENT_KEYS(model)) == full

@@ -12,8 +12,8 @@ arguments, and a reload too.
 Sizes: ``kv_bytes`` (default 0.28: every channel of both streams at 4 bits), a fraction of the bytes a bfloat16 DynamicCache holds for the same tokens:
 each latent value costs bits/8 bytes plus 3 bytes (a float16 scale and a uint8 zero point) per ``group`` tokens.
 Unless ``bits`` or ``key_bits`` is given, the budget first picks the code widths of the two streams
-(`budget_bits`: the widest pair at which every channel fits, the values narrowed before the keys; below 3 bits on
-both, a width per channel chosen by the cache from the prompt, averaging `budget_mean`: ``widths="prompt"``), then the
+(`budget_bits`: the widest pair at which every channel fits, the values narrowed before the keys; with
+``widths="prompt"``, a width per channel chosen by the cache from the prompt, averaging `budget_mean`), then the
 ranks of every group of every layer, keys and values alike, are chosen together by the greedy rule of
 `decompositions.allocation` on each projection's relative whitened loss, so the latent costs at most
 ``kv_bytes`` of the bf16 keys and values (the full-precision window and the positions come on top: at 2,048 tokens
@@ -147,8 +147,7 @@ class LatentKV(Method):
     default_rank = None
     layer_types = ("latent_kv", "latent_kv_key")
     remedy = "a larger rank or kv_bytes"
-    option_defaults = {"kv_bytes": None, **CACHE_DEFAULTS, "bits": None, "key_bits": None, "widths": None,
-                       "head_groups": None,
+    option_defaults = {"kv_bytes": None, **CACHE_DEFAULTS, "bits": None, "key_bits": None, "head_groups": None,
                        "whiten": True, "damping": 1e-4, "metric": "attention",
                        "key_weight": 1.0, "keys": "rotated"}
     # checkpoints from before these options: the key latent taken before RoPE, each group's codes on its min-max range
@@ -160,11 +159,10 @@ class LatentKV(Method):
         if t is not None and (not is_number(t) or not 0 < t <= 1):
             fail("kv_bytes", t, "None, or a float in (0, 1]: the fraction of a bfloat16 DynamicCache's bytes the latent "
                  "cache may hold")
-        w = o["widths"] or "stream"  # None: chosen later (`validate_rank`); fractional widths need "prompt"
-        if o["bits"] is None:  # chosen later too: the key width, when valid, stands in for the check
-            _check_settings({**o, "widths": w, "bits": o["key_bits"] if o["key_bits"] in BITS_ALLOWED else 4})
+        if o["bits"] is None:  # chosen later (`validate_rank`): the key width, when valid, stands in for the check
+            _check_settings({**o, "bits": o["key_bits"] if o["key_bits"] in BITS_ALLOWED else 4})
         else:
-            _check_settings({**o, "widths": w})
+            _check_settings(o)
         if o["head_groups"] is not None and not is_int(o["head_groups"], 1):
             fail("head_groups", o["head_groups"], "None (one latent for all the KV heads of a layer) or an int >= 1 (KV "
                  "heads sharing one latent; it must divide the model's KV heads)")
@@ -189,33 +187,27 @@ class LatentKV(Method):
                 options["kv_bytes"] = DEFAULT_KV_BYTES
             if options["bits"] is None and options["key_bits"] is None:
                 self._budget_widths(options)
-            options["widths"] = options["widths"] or "stream"
             self._pair(options)
             return None
         if options["kv_bytes"] is not None:
             fail("rank", rank, "None with kv_bytes= (the ranks are allocated from the byte budget)")
         if options["bits"] is None and options["key_bits"] is None:
             options["bits"] = 4
-        options["widths"] = options["widths"] or "stream"
         self._pair(options)
         return super().validate_rank(rank, options)
 
     @staticmethod
     def _budget_widths(options) -> None:
-        """``bits=None``: the widths the budget allows. One width a stream (`budget_bits`) down to 3 bits on both;
-        below, unless ``widths="stream"`` is asked for, a width per channel from the prompt (``widths="prompt"``,
-        averaging `budget_mean`), which holds more below 3 bits: on SmolLM2 at 2,048 tokens of context (1,536
-        tokens scored) an average of 2.5 bits a channel held 0.228 of the bf16 bytes at ×1.021 ± 0.007 against keys
-        3 / values 2 bits at ×1.049 ± 0.012 in the same bytes; at 3 bits both ×1.01. An average that is a whole
-        width (2 bits at 0.15) is that width on every channel: one width a stream."""
+        """``bits=None``: the widths the budget allows: one width a stream (`budget_bits`), or with
+        ``widths="prompt"`` the average `budget_mean` for both. Not chosen for the user: on SmolLM2 at 2,048 tokens
+        of context (1,536 tokens scored) an average of 2.5 bits a channel held 0.228 of the bf16 bytes at ×1.021 ±
+        0.007 against keys 3 / values 2 bits at ×1.049 ± 0.012 in the same bytes, but on Gemma-3 at 4,096 tokens
+        (384 scored) ×1.213 ± 0.049 against ×1.091 ± 0.031."""
         kv, group = options["kv_bytes"], options["group"]
-        pair, mean = budget_bits(kv, group), budget_mean(kv, group)
-        if options["widths"] is None and pair < (3, 3) and mean != int(mean):
-            options["widths"] = "prompt"
         if options["widths"] == "prompt":
-            options["key_bits"] = options["bits"] = mean
+            options["key_bits"] = options["bits"] = budget_mean(kv, group)
         else:
-            options["key_bits"], options["bits"] = pair
+            options["key_bits"], options["bits"] = budget_bits(kv, group)
 
     @staticmethod
     def _pair(options) -> None:
