@@ -496,7 +496,7 @@ class LatentKVLayer(CacheLayerMixin):
         super().__init__()
         self.positions, self.bits, self.group, self.window, self.sink = positions, bits, group, window, sink
         self.grid, self.key_bits = grid, bits if key_bits is None else key_bits
-        self.widths = widths  # "stream": every channel of a stream at its width; "prompt": the width its average
+        self.widths = widths  # "stream": every channel of a stream at its bits; "prompt": bits is the channels' average
         self.rotated_keys = rotated_keys  # keys latent after RoPE (scored in place; before RoPE they are rebuilt)
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window

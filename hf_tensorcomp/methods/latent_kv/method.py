@@ -151,7 +151,7 @@ class LatentKV(Method):
                        "whiten": True, "damping": 1e-4, "metric": "attention",
                        "key_weight": 1.0, "keys": "rotated"}
     # checkpoints from before these options: the key latent taken before RoPE, each group's codes on its min-max range
-    saved_defaults = {"keys": "latent", "grid": "minmax", "widths": "stream"}
+    saved_defaults = {"keys": "latent", "grid": "minmax"}
 
     def validate_options(self, options):
         o = super().validate_options(options)
