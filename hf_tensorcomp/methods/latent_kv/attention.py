@@ -174,7 +174,8 @@ def _weigh_values(layer: LatentKVLayer, w: torch.Tensor, slices: list[slice], dt
                 part = layer.v.chunk_product(piece[1], wg[..., start:start + layer.v.chunk], cols)
                 start += layer.v.chunk
             else:
-                n, group = piece[1][0][1][0].shape[1] if piece[0] == "runs" else piece[1][0].shape[1], layer.v.group
+                group = layer.v.group
+                n = layer.v.n_quantized // group  # the open groups (closed chunks are pieces of their own)
                 wn = wg[..., start:start + n * group].reshape(b, per * m, n, group).transpose(1, 2)  # (b, n, M, group)
                 start += n * group
                 if piece[0] == "runs":  # a width per channel: each run fills its own columns

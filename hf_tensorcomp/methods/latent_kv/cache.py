@@ -163,10 +163,11 @@ class _Latents:
         """Append newly quantized tokens' codes, scales and zero points (along dim 1) to those held."""
         if self.codes is None:
             self.codes, self.scale, self.zero = codes, scale, zero
-        else:
-            self.codes = torch.cat([self.codes, codes], 1)
-            self.scale = torch.cat([self.scale, scale], 1)
-            self.zero = torch.cat([self.zero, zero], 1)
+            return
+        for name, new in (("codes", codes), ("scale", scale), ("zero", zero)):
+            old = getattr(self, name)  # a tensor, or a list of them (`_PromptLatents`: one per run)
+            setattr(self, name, [torch.cat([t, x], 1) for t, x in zip(old, new)] if isinstance(old, list)
+                    else torch.cat([old, new], 1))
 
     def read(self, start: int, end: int, dtype) -> torch.Tensor:
         """Latents of tokens [start, end) (indices into what is held), (b, end - start, R), in `dtype`."""
@@ -201,11 +202,14 @@ class _Latents:
         if self.head is not None:
             out.append(("dense", self.head.to(dtype)))
         if self.codes is not None:
-            out.append(("codes", [p.to(dtype) for p in _planes(self.codes, self.bits, self.group)],
-                        self.scale.to(dtype), self.zero.to(dtype)))
+            out.append(self._codes_piece(dtype))
         if self.tail is not None and self.tail.shape[1]:
             out.append(("dense", self.tail.to(dtype)))
         return out
+
+    def _codes_piece(self, dtype) -> tuple:
+        return ("codes", [p.to(dtype) for p in _planes(self.codes, self.bits, self.group)], self.scale.to(dtype),
+                self.zero.to(dtype))
 
     def drop(self, tokens: int) -> int:
         """Forget up to `tokens` of the oldest tokens, in whole pieces (the head, quantized groups; unquantized:
@@ -291,11 +295,7 @@ class _PromptLatents(_Latents):
             codes.append(_pack_planes(q.codes.view(b * n, g), bits).view(b, 1, n, -1))
             scale.append(q.scale.view(b, 1, n))
             zero.append(q.zero.view(b, 1, n))
-        if self.codes is None:
-            self.codes, self.scale, self.zero = codes, scale, zero
-        else:
-            for name, new in (("codes", codes), ("scale", scale), ("zero", zero)):
-                setattr(self, name, [torch.cat([t, x], 1) for t, x in zip(getattr(self, name), new)])
+        self._keep(codes, scale, zero)
 
     def _read_codes(self, start: int, end: int, dtype) -> torch.Tensor:
         g0, g1 = start // self.group, -(-end // self.group)
@@ -306,14 +306,9 @@ class _PromptLatents(_Latents):
             out[..., idx] = _decode(c[:, g0:g1], s[:, g0:g1], z[:, g0:g1], bits, self.group, dtype)
         return out[:, start - g0 * self.group: end - g0 * self.group]
 
-    def pieces(self, dtype) -> list[tuple]:
-        out = [("dense", self.head.to(dtype))] if self.head is not None else []
-        if self.codes is not None:
-            out.append(("runs", [(idx, [p.to(dtype) for p in _planes(c, bits, self.group)], s.to(dtype), z.to(dtype))
-                                 for (idx, bits), c, s, z in zip(self.runs, self.codes, self.scale, self.zero)]))
-        if self.tail is not None and self.tail.shape[1]:
-            out.append(("dense", self.tail.to(dtype)))
-        return out
+    def _codes_piece(self, dtype) -> tuple:
+        return ("runs", [(idx, [p.to(dtype) for p in _planes(c, bits, self.group)], s.to(dtype), z.to(dtype))
+                         for (idx, bits), c, s, z in zip(self.runs, self.codes, self.scale, self.zero)])
 
 
 def _int4_product(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
