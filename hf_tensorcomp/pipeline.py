@@ -275,21 +275,16 @@ def _calibration_ids(model: nn.Module, config: TensorCompressionConfig):
 
 
 def model_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and saved buffer as the model holds them (what a checkpoint stores, tied
-    tensors once): packed codes, scales and zero points included."""
+    """Bytes of what a checkpoint stores (the state dict, tied tensors once): packed codes, scales and zero
+    points included — a factor held in the kernel's layout counts at its stored width (`memory_bytes` counts
+    what the model holds)."""
     seen, total = set(), 0
-    tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if _persistent(model, n))]
-    for t in tensors:
+    for t in model.state_dict().values():
         if t.data_ptr() in seen and t.device.type != "meta":
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
-
-
-def _persistent(model: nn.Module, name: str) -> bool:
-    owner, _, leaf = name.rpartition(".")
-    return leaf not in model.get_submodule(owner)._non_persistent_buffers_set
 
 
 def record(model: nn.Module, config: TensorCompressionConfig, before: tuple[int, int], seconds: float, module_stats: dict,

@@ -15,6 +15,7 @@ from hf_tensorcomp import LowRankLinear, TensorCompressionConfig
 from hf_tensorcomp.decompositions.quantize import (Int4Kernel, gptq_plan, int4_kernel_available, pack, quantize_gptq,
                                                   quantize_rtn, stored_bytes, unpack)
 from hf_tensorcomp.decompositions.svd import whitened_svd, whitening_factor
+from hf_tensorcomp.layers import FactorizedModule, QuantizedEmbedding
 from hf_tensorcomp.methods.qlr import QuantizedLowRankLinear
 from tiny import VOCAB, reloads_identically
 
@@ -467,7 +468,12 @@ def test_int4_kernel_computes_the_dequantized_product(out_f, in_f, group, bits):
     q = quantize_rtn(w, bits, group)  # 2- and 3-bit codes are 4-bit codes using part of the range; 5, 6, 8: two calls
     kernel = Int4Kernel.build(q)
     assert kernel is not None and kernel.padded % group == 0  # 576 = 4.5 groups of 128: the short group padded
-    assert len(kernel.parts) == 1 and kernel.repeats == (2 if bits > 4 else 1)  # 5, 6, 8 bits: one call, two nibbles
+    assert kernel.repeats == (2 if bits > 4 else 1)  # 5, 6, 8 bits: one call, two nibbles
+    # the layout gives the stored codes back, whole and row by row (what a module holding it saves and looks up)
+    codes = q.codes[: out_f * in_f].view(out_f, in_f)
+    assert torch.equal(kernel.codes(q.zero), codes)
+    rows = torch.tensor([out_f - 1, 0, out_f // 2, 17])
+    assert torch.equal(kernel.codes(q.zero, rows), codes[rows])
     ref = x.bfloat16().float() @ q.dequantize().T  # the same product in float32
     y = kernel(x.bfloat16())
     assert y.shape == (5, 3, out_f) and y.dtype == torch.bfloat16
@@ -489,12 +495,68 @@ def test_bfloat16_model_runs_the_kernel_and_gradients_take_the_dequantized_path(
     layer = next(x for x in b.modules() if isinstance(x, QuantizedLowRankLinear))
     with torch.no_grad():
         y = b(ids).logits
-    assert layer.__dict__["_kernels"]["weight"][1] is not None  # the kernel ran
+    assert layer._held("weight") is not None  # held in the kernel's layout since the load: the kernel ran
     assert (y.float() - ref).abs().max() <= 0.05 * ref.abs().max()
     x = torch.randn(3, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
     layer(x).sum().backward()  # the kernel has no backward: this goes through the de-quantized weight
     w = layer.dense_weight()  # Q(W R) Rᵀ + B A (rotated by default)
     assert layer.rotation_block and torch.allclose(x.grad.float(), w.sum(0).float(), rtol=0.02, atol=0.02)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_one_copy_of_the_codes_held_after_generate(tiny_dirs, tmp_path, ids, bits):
+    """The layout the kernel reads is built at load, in place of the packed codes: generating builds nothing
+    beside them (before: 2.3x the loaded bytes on the main job), and the state dict still holds the packed
+    codes, so a save of the held model reloads to the same logits."""
+    from hf_tensorcomp.eval.memory import held_bytes
+
+    m = _qlr(tiny_dirs, rank=4, group_size=32, bits=bits, embedding_bits=8, embedding_group_size=32)
+    m.save_pretrained(tmp_path / "a")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
+    held = [(x, n) for x in again.modules() if isinstance(x, FactorizedModule) for n in x.quantized_names()
+            if x._held(n) is not None]
+    # the 8-bit table and tied head too (the tiny vocabulary, 101 rows, is no multiple of 16: only a real one is)
+    assert held and all(x._held(n) is not None for x in again.modules() if isinstance(x, FactorizedModule)
+                        and not isinstance(x, QuantizedEmbedding) for n in x.quantized_names())
+    loaded = held_bytes(again)
+    with torch.no_grad():
+        ref = again(ids).logits
+        out = again.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    assert held_bytes(again) == loaded
+    assert not any(k.endswith("_kernel_sz") for k in again.state_dict())
+    again.save_pretrained(tmp_path / "b")  # written from the held layout
+    twice = AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+    for k, v in AutoModelForCausalLM.from_pretrained(tmp_path / "a").state_dict().items():
+        assert torch.equal(twice.state_dict()[k], v), k
+    with torch.no_grad():
+        assert torch.equal(twice(ids).logits, ref)
+        assert torch.equal(twice.generate(ids[:1, :5], max_new_tokens=4, do_sample=False), out)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_held_embedding_table_looks_rows_up_and_heads_from_one_copy(bits):
+    """An embedding table held in the kernel's layout (no packed copy beside it): a lookup reads its rows from
+    that layout exactly, the tied head multiplies by it, and the state dict gives the packed codes back."""
+    from hf_tensorcomp.decompositions.quantize import quantize_rtn
+    from hf_tensorcomp.layers import QuantizedHead
+
+    g = torch.Generator().manual_seed(0)
+    emb = torch.nn.Embedding(112, 96)  # 112 rows: one whole block of 64 and a partial one of 48
+    torch.nn.init.normal_(emb.weight, generator=g)
+    q = QuantizedEmbedding.build(emb, bits, 32)
+    head = QuantizedHead.build(torch.nn.Linear(96, 112, bias=False), bits, 32, source=q, source_name="embed")
+    assert q._held("weight") is not None and isinstance(q._buffers["weight"], torch.Tensor)
+    ref = quantize_rtn(emb.weight.detach(), bits, 32)
+    table = ref.dequantize()
+    ids = torch.tensor([[111, 0, 63, 64, 65, 100]])
+    assert torch.equal(q(ids), table[ids])
+    x = torch.randn(2, 96, generator=g)
+    y = head(x)
+    assert (y - x.bfloat16().float() @ table.T).abs().max() <= 0.02 * y.abs().max()
+    assert torch.equal(q.state_dict()["weight"], pack(ref.codes, bits))
+    assert torch.equal(q.weight, table)  # reading the factor de-quantizes from the held layout
 
 
 @pytest.mark.parametrize("factor_bits", [None, 8])

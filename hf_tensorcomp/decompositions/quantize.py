@@ -303,39 +303,95 @@ def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
 
+def int4pack_rows(packed: torch.Tensor, n_rows: int, width: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The 4-bit codes (uint8, (len(rows), width); all rows when `rows` is None) held in the layout of
+    ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` for an (n_rows, width) matrix: whole blocks of 64
+    rows as (width, 32) bytes, the low nibble of byte j row j of the block and the high nibble row j + 32;
+    a last block of r < 64 rows as (width, r / 2) bytes, rows 2j and 2j + 1. `int4pack_layout_ok` checks
+    this reading against the kernel's own packing once per process."""
+    flat = packed.reshape(-1)
+    full = n_rows // 64 * 64
+    r = n_rows - full
+    if rows is None:
+        out = torch.empty(n_rows, width, dtype=torch.uint8, device=packed.device)
+        if full:
+            b = flat[: full * width // 2].view(full // 64, width, 32)
+            out[:full] = torch.cat([b & 15, b >> 4], 2).permute(0, 2, 1).reshape(full, width)
+        if r:
+            b = flat[full * width // 2:].view(width, r // 2)
+            out[full:] = torch.stack([b & 15, b >> 4], -1).reshape(width, r).T
+        return out
+    rows = rows.reshape(-1).long()
+    tail = rows >= full
+    t = rows - full
+    base = torch.where(tail, full * width // 2 + t // 2, rows // 64 * (width * 32) + rows % 32)
+    stride = torch.where(tail, torch.full_like(rows, max(r // 2, 1)), torch.full_like(rows, 32))
+    shift = torch.where(tail, t % 2, (rows % 64) // 32) * 4
+    cols = torch.arange(width, device=packed.device)
+    return ((flat[base[:, None] + stride[:, None] * cols] >> shift[:, None].to(torch.uint8)) & 15).to(torch.uint8)
+
+
+_LAYOUT_OK: list[bool] = []
+
+
+def int4pack_layout_ok() -> bool:
+    """Whether `int4pack_rows` reads this PyTorch's packing (checked once, on a matrix with whole and partial
+    row blocks); where it does not, quantized factors are not held in the kernel's layout."""
+    if not _LAYOUT_OK:
+        ok = int4_kernel_available()
+        if ok:
+            codes = torch.randint(0, 16, (176, 96), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+            try:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+                ok = torch.equal(int4pack_rows(packed, 176, 96).int(), codes) and torch.equal(
+                    int4pack_rows(packed, 176, 96, torch.tensor([175, 0, 70, 33])).int(), codes[[175, 0, 70, 33]])
+            except RuntimeError:
+                ok = False
+        _LAYOUT_OK.append(ok)
+    return _LAYOUT_OK[0]
+
+
 @dataclass
 class Int4Kernel:
     """A quantized (out x in) `QTensor` in the layout of ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
 
     4-bit codes are one kernel call; 2- and 3-bit codes too (4-bit codes that use part of the range: same
     scale and zero point, held at 4 bits in memory while the stored form stays packed at its width).
-    8-bit codes are two calls, one on each nibble: ``c - zero = 16 (hi - zero_hi) + (lo - zero_lo)`` with
+    8-bit codes are two nibbles: ``c - zero = 16 (hi - zero_hi) + (lo - zero_lo)`` with
     ``hi, lo = c >> 4, c & 15`` (same bytes in memory as the 8-bit codes; PyTorch's own int8 kernel takes
-    one scale per row, not per group). 5- and 6-bit codes are two calls too, on the nibbles of
-    ``d = c - zero + 136`` (73..199): ``c - zero = 16 (hi - 8) + (lo - 8)``, both calls' zero points 8 and
+    one scale per row, not per group). 5- and 6-bit codes are two nibbles too (held at 8 bits), of
+    ``d = c - zero + 136`` (73..199): ``c - zero = 16 (hi - 8) + (lo - 8)``, both nibbles' zero points 8 and
     their offsets exactly 0. Split as 8-bit codes are, a 6-bit zero point near 32 leaves an offset near
     96 s per group, whose bfloat16 rounding (shared by the whole group) made the product ten times less
-    precise than a bfloat16 one.
+    precise than a bfloat16 one. Two nibbles run as ONE call over twice the inputs: ``[x, x] @ [W_hi, W_lo]ᵀ``.
 
     That kernel computes ``x @ ((c - 8) * s + z)ᵀ`` per group; a part ``(c - zero) * s`` is ``z = (8 - zero) * s``
     (exact in float32; the kernel reads scales and offsets in bfloat16, like its activations: a weight is then
     as precise as a bfloat16 one). A short last group is padded to a whole one with codes equal to its zero
     point (weight 0) and the input with zeros, so the product is unchanged.
+
+    `codes` gives the stored codes back (`int4pack_rows`): a module can hold this layout in place of its
+    packed codes and still save, de-quantize or look rows up from it (`FactorizedModule.hold_kernels`).
     """
 
-    parts: list[tuple[torch.Tensor, torch.Tensor]]  # one call: packed codes, (groups per row, out, 2) bfloat16
+    packed: torch.Tensor  # the kernel's uint8 layout of the (out, padded * repeats) nibbles
+    sz: torch.Tensor  # (groups per row * repeats, out, 2) bfloat16 scales and offsets
     in_features: int
     padded: int
     group_size: int
+    bits: int
     repeats: int = 1  # nibbles (5-, 6-, 8-bit codes: 2), run as one call on the input repeated along its width
+
+    @staticmethod
+    def fits(bits: int, group_size: int, shape) -> bool:
+        return (bits in BITS and group_size in KERNEL_GROUPS and len(shape) == 2 and shape[0] % 16 == 0
+                and int4_kernel_available())  # the kernel's packing needs rows in multiples of 16
 
     @classmethod
     def build(cls, q: QTensor) -> "Int4Kernel | None":
-        if q.bits not in BITS or q.group_size not in KERNEL_GROUPS or len(q.shape) != 2 or not int4_kernel_available():
+        if not cls.fits(q.bits, q.group_size, q.shape):
             return None
         out_f, in_f = q.shape
-        if out_f % 16:  # the kernel's packing needs rows in multiples of 16
-            return None
         g = q.group_size
         per_row = -(-in_f // g)
         zero = q.zero.view(out_f, per_row).to(torch.int32)
@@ -343,26 +399,38 @@ class Int4Kernel:
         if in_f % g:
             codes = torch.cat([codes, zero[:, -1:].expand(out_f, per_row * g - in_f)], 1)
         scale = q.scale.view(out_f, per_row).float()
-        # (codes, zero point, scale) per kernel call
+        # (codes, zero point, scale) per nibble
         if q.bits <= 4:
             nibbles = [(codes, zero, scale)]
-        elif q.bits < 8:  # recentred (see the docstring): both calls' zero points 8, no offsets
+        elif q.bits < 8:  # recentred (see the docstring): both nibbles' zero points 8, no offsets
             d = codes - zero.repeat_interleave(g, 1) + 136  # codes are padded to whole groups above
             eight = torch.full_like(zero, 8)
             nibbles = [(d >> 4, eight, scale * 16), (d & 15, eight, scale)]
         else:
             nibbles = [(codes >> 4, zero >> 4, scale * 16), (codes & 15, zero & 15, scale)]
-        # two nibbles run as ONE call over twice the inputs: [x, x] @ [W_hi, W_lo]ᵀ (groups never straddle the
-        # seam, the inputs being padded to whole groups): one parallel region and one bfloat16 rounding of the
-        # sum, where two calls and an add cost two regions and three roundings (at decode, per-call overhead
-        # and thread hand-offs, not bytes, dominate these products)
         c = torch.cat([n[0] for n in nibbles], 1)
         sz = torch.cat([torch.stack([s, (8 - z).float() * s], -1).transpose(0, 1) for _, z, s in nibbles])
         try:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1)
         except RuntimeError:
             return None
-        return cls([(packed, sz.contiguous().to(torch.bfloat16))], in_f, per_row * g, g, len(nibbles))
+        return cls(packed, sz.contiguous().to(torch.bfloat16), in_f, per_row * g, g, q.bits, len(nibbles))
+
+    def codes(self, zero: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored codes (uint8, (len(rows) or out, in_features)) of rows `rows` (all when None); `zero` is
+        the stored zero points (5- and 6-bit codes were recentred by them)."""
+        out_f = self.sz.shape[1]
+        nib = int4pack_rows(self.packed, out_f, self.padded * self.repeats, rows)
+        if self.repeats == 1:
+            return nib[:, : self.in_features]
+        c = nib[:, : self.padded].to(torch.int32) * 16 + nib[:, self.padded:]
+        if self.bits < 8:
+            z = zero.view(out_f, -1) if rows is None else zero.view(out_f, -1)[rows.reshape(-1).long()]
+            c = c + z.to(torch.int32).repeat_interleave(self.group_size, 1) - 136
+        return c[:, : self.in_features].to(torch.uint8)
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.sz.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ Wᵀ`` for bfloat16 ``x`` (..., in_features)."""
@@ -374,5 +442,4 @@ class Int4Kernel:
             x2 = wide.view(x2.shape[0], -1)
         else:
             x2 = x2.contiguous()
-        packed, sz = self.parts[0]
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, sz).reshape(*lead, -1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.sz).reshape(*lead, -1)

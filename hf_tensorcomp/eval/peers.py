@@ -86,19 +86,17 @@ def stored_values(model: nn.Module) -> int:
     before, in fewer bytes. optimum-quanto's tensors count their logical size plus their scales and shifts."""
     from ..layers.base import FactorizedModule
 
-    codes = {}  # a packed code buffer's key -> the weights it stands for
-    for m in model.modules():
+    codes = {}  # a packed code buffer's state-dict name -> the weights it stands for
+    for mname, m in model.named_modules():
         if isinstance(m, FactorizedModule):
-            for name, (_, _, shape, _) in m.__dict__.get("_qfactors", {}).items():
-                t = m._buffers.get(name)
-                if t is not None:
-                    codes[(t.data_ptr(), t.numel(), t.dtype)] = math.prod(shape)
+            for name in m.quantized_names():
+                codes[f"{mname}.{name}" if mname else name] = math.prod(m.qspec(name)[2])
     seen, total = set(), 0
-    for t in model.state_dict().values():
-        key = (t.data_ptr(), t.numel(), t.dtype)
-        if key in seen:
+    for key, t in model.state_dict().items():
+        ident = (t.data_ptr(), t.numel(), t.dtype)
+        if ident in seen:
             continue
-        seen.add(key)
+        seen.add(ident)
         if hasattr(t, "__tensor_flatten__"):  # quanto: the logical tensor, plus its scales / shifts
             total += t.numel() + sum(getattr(t, n).numel() for n in t.__tensor_flatten__()[0] if n != "_data")
         else:

@@ -26,7 +26,6 @@ import warnings
 
 import torch
 
-from ..decompositions.quantize import QTensor, unpack
 
 FORMAT = "pack-quantized"
 
@@ -40,7 +39,7 @@ def quantized_base_tensors(modules: dict) -> tuple[dict[str, torch.Tensor], dict
         raise ValueError("export_qlr: base_format='compressed-tensors' needs the compressed-tensors package; allowed: "
                          "pip install \"hf_tensorcomp[export]\", or base_format='dequantized'") from None
     state, groups = {}, {}
-    spec = {name: m.__dict__["_qfactors"]["weight"] for name, m in modules.items()}  # (bits, group, shape, dtype)
+    spec = {name: m.qspec("weight") for name, m in modules.items()}  # (bits, group, shape, dtype)
     widths = {bits for bits, *_ in spec.values()}
     width = max(widths)  # one scheme: the widest
     for name, m in modules.items():
@@ -54,8 +53,7 @@ def quantized_base_tensors(modules: dict) -> tuple[dict[str, torch.Tensor], dict
             raise ValueError(f"export_qlr: group_size: {name} has {in_f} inputs, not a multiple of its groups of {group}; "
                              f"allowed with base_format='compressed-tensors': a group_size dividing every matrix's input "
                              f"width (compress again, e.g. group_size=64), or base_format='dequantized'")
-        b = m._buffers
-        q = QTensor(unpack(b["weight"], bits), b["weight_scale"], b["weight_zero"], bits, group, shape)
+        q = m.quantized("weight")
         offset = 1 << (width - 1)
         codes = (q.codes[: out_f * in_f].view(out_f, in_f).to(torch.int16) - offset).to(torch.int8)
         zero = (q.zero.view(out_f, in_f // group).to(torch.int16) - offset).to(torch.int8)

@@ -22,6 +22,7 @@ from ..config import QUANT_METHOD, TensorCompressionConfig
 from ..layers import FactorizedModule
 from ..methods.latent_kv import enable as enable_latent_kv
 from ..methods.qlr import share_input_rotations
+from ..layers.base import hold_kernels
 from ..methods import get_method
 
 register_quantization_config(QUANT_METHOD)(TensorCompressionConfig)
@@ -76,6 +77,7 @@ class TensorCompQuantizer(HfQuantizer):
             checks.check_unchanged(getattr(self, "_files", {}))  # no other save's files read meanwhile
             checks.check_loaded(model)  # factors finite, EinSort indices and LASER pivots valid
             _own_aligned_memory(model)
+            hold_kernels(model)  # quantized factors in the layout their product reads, in place of the packed codes
             share_input_rotations(model)
             enable_latent_kv(model)  # latent k/v projections: their attention and cache (a no-op without them)
         else:

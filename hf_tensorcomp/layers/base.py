@@ -11,7 +11,11 @@ Every factored module:
 - can store its own factor tensors quantized (`quantize_factors`: ``factor_bits``): the parameter
   becomes a uint8 buffer of packed codes under the same name, with ``NAME_scale`` (float16) and
   ``NAME_zero`` (uint8) per group, and reading ``self.NAME`` gives the dequantized tensor, so every
-  forward works unchanged. The spec records it under ``"quant"``.
+  forward works unchanged. The spec records it under ``"quant"``;
+- holds a quantized factor in the layout its product reads (`hold_kernels`: PyTorch's CPU int4 kernel's,
+  built once when the factor is quantized or loaded, in place of the packed codes, never beside them):
+  the state dict still gives the packed codes (`_save_to_state_dict`), and `quantized` / `quantized_rows`
+  read the stored codes back from either layout.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..decompositions.quantize import BITS, GROUP_SIZE_RANGE, Int4Kernel, QTensor, code_bytes, n_groups, pack, quantize_rtn, unpack
+from ..decompositions.quantize import (BITS, GROUP_SIZE_RANGE, Int4Kernel, QTensor, code_bytes, dequantize_rows,
+                                       int4pack_layout_ok, n_groups, pack, quantize_rtn, unpack)
 
 LAYER_TYPES: dict[str, type["FactorizedModule"]] = {}
 
@@ -128,6 +133,8 @@ class FactorizedModule(nn.Module):
             self.register_buffer(f"{n}_scale", scale.to(p.device))
             self.register_buffer(f"{n}_zero", zero.to(p.device))
             q[n] = (bits, group_size, tuple(p.shape), p.dtype)
+            if not p.is_meta:
+                self._hold(n)
 
     def train_scales(self, on: bool = True) -> list[nn.Parameter]:
         """Make the per-group scales of the quantized factors trainable float32 parameters (``on``; the
@@ -138,11 +145,13 @@ class FactorizedModule(nn.Module):
         for n in self.__dict__.get("_qfactors", {}):
             key = f"{n}_scale"
             if on and key in self._buffers:
+                self._release(n)  # trained scales multiply the stored codes (`__getattr__`); the layout comes back after
                 self.register_parameter(key, nn.Parameter(self._buffers.pop(key).float()))
             if on:
                 out.append(self._parameters[key])
             elif key in self._parameters:
                 self.register_buffer(key, self._parameters.pop(key).detach().half())
+                self._hold(n)
         return out
 
     def training_form(self) -> bool:
@@ -156,10 +165,15 @@ class FactorizedModule(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """`nn.Module._apply` (``.to``, ``.half``, ``.cuda`` ...) keeping quantized factors' float16 scales as
-        stored (a bfloat16 cast would round them) and de-quantizing to the module's new float dtype."""
+        stored (a bfloat16 cast would round them) and de-quantizing to the module's new float dtype; a factor
+        held in the kernel's layout goes back to its packed codes for the move and is held again after it
+        where the kernel runs (on CPU)."""
         q = self.__dict__.get("_qfactors")
         if not q or any(f"{n}_scale" in self._parameters for n in q):  # scales in training: moved like parameters
             return super()._apply(fn, recurse)
+        held = [n for n in q if self._held(n) is not None]
+        for n in held:
+            self._release(n)
         scales = {n: self._buffers[f"{n}_scale"] for n in q}
         out = super()._apply(fn, recurse)
         for n, (bits, group, shape, dtype) in list(q.items()):
@@ -167,41 +181,108 @@ class FactorizedModule(nn.Module):
             if moved.dtype != scales[n].dtype:
                 self._buffers[f"{n}_scale"] = scales[n].to(moved.device)
             q[n] = (bits, group, shape, fn(torch.empty(0, dtype=dtype)).dtype)
+        for n in held:
+            self._hold(n)
         return out
 
     def factor_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, <factor name>, bias)``. A quantized factor runs through PyTorch's CPU int4 kernel
-        (`quantize.Int4Kernel`; 8-bit codes as two calls, one per nibble) when the activations are on CPU and no gradient flows to them:
-        bfloat16 activations as they are, float32 ones rounded to bfloat16 for the product (the kernel's
-        only input type; the result is cast back) — faster than the float32 dense product it replaces,
-        where de-quantizing at every call is several times slower. Otherwise (and where the kernel is
-        missing or refuses the shape, or while `train_scales` trains the scales) on its de-quantized
-        value, exactly."""
-        q = self.__dict__.get("_qfactors", {}).get(name)
-        if (q is not None and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
-                and not (torch.is_grad_enabled() and x.requires_grad) and f"{name}_scale" not in self._parameters):
-            kernel = self._int4_kernel(name)
-            if kernel is not None:
-                y = kernel(x.to(torch.bfloat16)).to(x.dtype)
-                return y if bias is None else y + bias
+        """``F.linear(x, <factor name>, bias)``. A quantized factor held in the kernel's layout (`hold_kernels`)
+        runs through PyTorch's CPU int4 kernel (`quantize.Int4Kernel`) when the activations are on CPU and no
+        gradient flows to them: bfloat16 activations as they are, float32 ones rounded to bfloat16 for the
+        product (the kernel's only input type; the result is cast back) — faster than the float32 dense product
+        it replaces, where de-quantizing at every call is several times slower. Otherwise (on other devices,
+        where the kernel refuses the shape, or while `train_scales` trains the scales) on its de-quantized value,
+        exactly."""
+        kernel = self._held(name)
+        if (kernel is not None and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and x.requires_grad)):
+            y = kernel(x.to(torch.bfloat16)).to(x.dtype)
+            return y if bias is None else y + bias
         return F.linear(x, getattr(self, name), bias)
 
-    def _int4_kernel(self, name: str) -> Int4Kernel | None:
-        """The kernel layout of a quantized factor, built on first use and rebuilt when its buffers change
-        (a load, a move); not part of the state dict."""
-        parts = self._factor_tensors(name)
-        if any(t.device.type != "cpu" for t in parts):
-            return None
-        key = change_key(parts)
-        cache = self.__dict__.setdefault("_kernels", {})
-        if name not in cache or cache[name][0] != key:
-            bits, group, shape, _ = self.__dict__["_qfactors"][name]
-            cache[name] = (key, Int4Kernel.build(QTensor(unpack(parts[0], bits), parts[1], parts[2], bits, group, shape)))
-        return cache[name][1]
+    # -- quantized factors: what is stored, and the layout held ------------------------------------------------
+
+    def qspec(self, name: str) -> tuple | None:
+        """(bits, group_size, shape, dtype) of quantized factor `name`, or None when it is not quantized."""
+        return self.__dict__.get("_qfactors", {}).get(name)
+
+    def quantized_names(self) -> list[str]:
+        return list(self.__dict__.get("_qfactors", {}))
+
+    def quantized(self, name: str) -> QTensor:
+        """Quantized factor `name` as stored (codes unpacked), whichever layout the module holds."""
+        bits, group, shape, _ = self.qspec(name)
+        codes, scale, zero = self._factor_tensors(name)
+        kernel = self._held(name)
+        flat = kernel.codes(zero).reshape(-1) if kernel is not None else unpack(codes, bits)
+        return QTensor(flat, scale, zero, bits, group, shape)
+
+    def quantized_rows(self, name: str, rows: torch.Tensor, dtype) -> torch.Tensor:
+        """Rows `rows` of a quantized (n, cols) factor, de-quantized (an embedding lookup: only those rows read)."""
+        bits, group, shape, _ = self.qspec(name)
+        codes, scale, zero = self._factor_tensors(name)
+        kernel = self._held(name)
+        if kernel is None:
+            return dequantize_rows(codes, scale, zero, bits, group, shape, rows, dtype)
+        per_row = n_groups((1, shape[1]), group)
+        pick = lambda t: t.view(shape[0], per_row)[rows].reshape(-1)  # noqa: E731
+        return QTensor(kernel.codes(zero, rows).reshape(-1), pick(scale), pick(zero), bits, group,
+                       (rows.numel(), shape[1])).dequantize(dtype)
+
+    def _held(self, name: str) -> Int4Kernel | None:
+        return self.__dict__.get("_kernels", {}).get(name)
+
+    def _hold(self, name: str) -> bool:
+        """Hold quantized factor `name` in the CPU int4 kernel's layout, in place of its packed codes (2- and
+        3-bit codes then take 4 bits in memory, 5- and 6-bit codes 8, plus 4 bytes a group and nibble of bfloat16
+        scales and offsets beside the stored scales and zero points); True when it is (or already was)."""
+        if self._held(name) is not None:
+            return True
+        bits, group, shape, _ = self.qspec(name)
+        codes, scale, zero = self._factor_tensors(name)
+        if (any(t.device.type != "cpu" for t in (codes, scale, zero)) or f"{name}_scale" in self._parameters
+                or not Int4Kernel.fits(bits, group, shape) or not int4pack_layout_ok()):
+            return False
+        kernel = Int4Kernel.build(self.quantized(name))
+        if kernel is None:
+            return False
+        self._buffers[name] = kernel.packed
+        self.register_buffer(f"{name}_kernel_sz", kernel.sz, persistent=False)
+        self.__dict__.setdefault("_kernels", {})[name] = kernel
+        return True
+
+    def _release(self, name: str) -> None:
+        """Back from the kernel's layout to the packed codes (before a move to another device or dtype)."""
+        kernel = self.__dict__.get("_kernels", {}).pop(name, None)
+        if kernel is not None:
+            bits = self.qspec(name)[0]
+            self._buffers[name] = pack(kernel.codes(self._buffers[f"{name}_zero"]).reshape(-1), bits)
+            self._buffers.pop(f"{name}_kernel_sz", None)
+            self._non_persistent_buffers_set.discard(f"{name}_kernel_sz")
+
+    def hold_kernels(self) -> int:
+        """Hold every quantized factor the kernel can run in its layout (`_hold`); returns how many are held.
+        Called when factors are quantized and after a checkpoint's tensors are loaded."""
+        return sum(self._hold(n) for n in self.quantized_names())
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The state dict holds the packed codes as saved, whatever layout the module holds."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in self.__dict__.get("_kernels", {}):
+            bits = self.qspec(name)[0]
+            destination[prefix + name] = pack(self.quantized(name).codes, bits)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        held = [n for n in self.quantized_names() if self._held(n) is not None]
+        for n in held:
+            self._release(n)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        for n in held:
+            self._hold(n)
 
     def _factor_tensors(self, name: str) -> list[torch.Tensor]:
-        """The tensors that store factor `name`: its codes, scale and zero point when quantized (the scale a
-        parameter while `train_scales` trains it), else the parameter itself."""
+        """The tensors that store factor `name`: its codes (packed, or in the kernel's layout), scale and zero
+        point when quantized (the scale a parameter while `train_scales` trains it), else the parameter itself."""
         if name not in self.__dict__.get("_qfactors", {}):
             return [self._parameters[name]]
         scale = f"{name}_scale"
@@ -210,11 +291,10 @@ class FactorizedModule(nn.Module):
     def __getattr__(self, name: str):
         q = self.__dict__.get("_qfactors")
         if q is not None and name in q:
-            bits, group, shape, dtype = q[name]
             codes, scale, zero = self._factor_tensors(name)
             if "meta" in (codes.device.type, scale.device.type, zero.device.type):
                 return codes  # a skeleton being loaded: the loader reads and fills the stored tensor itself
-            return QTensor(unpack(codes, bits), scale, zero, bits, group, shape).dequantize(dtype)
+            return self.quantized(name).dequantize(q[name][3])
         return super().__getattr__(name)
 
     @classmethod
@@ -237,6 +317,12 @@ class FactorizedModule(nn.Module):
             if self.bias is not None:
                 lin.bias.copy_(self.bias)
         return lin
+
+
+def hold_kernels(model: nn.Module) -> int:
+    """`FactorizedModule.hold_kernels` on every compressed module of `model` (after a load); returns how many
+    quantized factors are held in the kernel's layout."""
+    return sum(m.hold_kernels() for m in model.modules() if isinstance(m, FactorizedModule))
 
 
 def change_key(tensors) -> tuple:

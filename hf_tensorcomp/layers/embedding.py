@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..decompositions.quantize import QTensor, dequantize_rows
+from ..decompositions.quantize import QTensor
 from .base import FactorizedModule, register_layer
 
 
@@ -51,15 +51,11 @@ class QuantizedEmbedding(FactorizedModule):
         return []
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        q = self.__dict__.get("_qfactors", {}).get("weight")
+        q = self.qspec("weight")
         if q is None:
             out = F.embedding(input_ids, self.weight, self.padding_idx)
         else:
-            bits, group, shape, dtype = q
-            b = self._buffers
-            rows = dequantize_rows(b["weight"], b["weight_scale"], b["weight_zero"], bits, group, shape,
-                                   input_ids.reshape(-1), dtype)
-            out = rows.view(*input_ids.shape, self.embedding_dim)
+            out = self.quantized_rows("weight", input_ids.reshape(-1), q[3]).view(*input_ids.shape, self.embedding_dim)
         if self.embed_scale != 1.0:  # as Gemma's scaled embedding: the scale cast to the output dtype
             out = out * torch.tensor(self.embed_scale).to(out.dtype)
         return out
@@ -82,7 +78,7 @@ class QuantizedEmbedding(FactorizedModule):
         return cls(spec["num_embeddings"], spec["embedding_dim"], spec["embed_scale"], dtype=dtype)
 
     def extra_repr(self) -> str:
-        q = self.__dict__.get("_qfactors", {}).get("weight")
+        q = self.qspec("weight")
         return f"{self.num_embeddings}, {self.embedding_dim}" + (f", bits={q[0]}, group_size={q[1]}" if q else "")
 
 
@@ -157,6 +153,6 @@ class QuantizedHead(FactorizedModule):
 
     def extra_repr(self) -> str:
         tie = f", tied to {self.source_name}" if self.tied else ""
-        q = self.__dict__.get("_qfactors", {}).get("weight")
+        q = self.qspec("weight")
         return f"in_features={self.in_features}, out_features={self.out_features}{tie}" + (
             f", bits={q[0]}, group_size={q[1]}" if q else "")
