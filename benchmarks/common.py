@@ -60,20 +60,20 @@ def weight_only_peers(load_dense, tok, max_tokens: int) -> list[dict]:
 
 
 @torch.inference_mode()
-def decode_tokens_per_s(model, tok, new_tokens: int = 32, repeats: int = 3, prompt_tokens: int = 32) -> float:
+def decode_tokens_per_s(model, tok, new_tokens: int = 32, repeats: int = 3, prompt_tokens: int = 32, **generate) -> float:
     """Greedy decode speed, batch 1, a `prompt_tokens`-token prompt (held-out Wikipedia); median of `repeats`
-    after one warm-up."""
+    after one warm-up; `generate`: more arguments of ``model.generate`` (e.g. ``cache_implementation``)."""
     prompt = " ".join(load_text("wikipedia", "eval")[0].split()[: prompt_tokens * 3])
     ids = tok(prompt, return_tensors="pt").input_ids[:, :prompt_tokens]
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=kw["pad_token_id"])
+              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, **generate)
+    model.generate(ids, **kw)  # warm-up (a compiled model: at the timed shapes)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         model.generate(ids, **kw)
         times.append(time.perf_counter() - t0)
-    return new_tokens / statistics.median(times)
+    return new_tokens / statistics.median(times) if times else 0.0
 
 
 def load_recipe(path, defaults: dict) -> dict:
@@ -308,3 +308,26 @@ def ratio_plot(rows: list[dict], path: Path, draw) -> None:
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
+    """The machine's read bandwidth at the current thread count: the best of `repeats` torch sums over `gib`
+    GiB of float32 (far beyond the caches), in GB/s."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def bytes_read_per_token(model) -> int:
+    """What one decode step reads at least: every tensor the model holds (`held_bytes`, after a generate), less
+    the input embedding table when no head reads it whole (a lookup reads one row)."""
+    from hf_tensorcomp.eval.memory import held_bytes
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and (getattr(head, "weight", None) is getattr(emb, "weight", None)
+                                 or getattr(head, "tied", False))
+    return held_bytes(model) - (0 if tied else held_bytes(emb))

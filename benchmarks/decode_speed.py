@@ -21,12 +21,13 @@ written (e.g. the main job's ``--out``), reloaded as a user reloads it: {"saved"
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (bench_main, child_setup, decode_tokens_per_s, interleaved,  # noqa: E402
-                    markdown_table, per_model, set_threads, thread_count)
+from common import (bench_main, bytes_read_per_token, child_setup, decode_tokens_per_s, interleaved,  # noqa: E402
+                    markdown_table, per_model, read_bandwidth_gb_s, set_threads, thread_count)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 
 NAME = "decode_speed"
@@ -42,6 +43,7 @@ DEFAULTS = {
     "prompt_tokens": 32,
     "new_tokens": 32,
     "saved": {},  # row label -> a saved model folder, reloaded and timed as it is
+    "compiled": [],  # rows also timed compiled: `torch.compile(model.forward)` with cache_implementation="static"
     "note": "",  # said under the header (e.g. what else ran on the machine)
     "build_threads": os.cpu_count() or 1,  # compression only: speed depends on the shapes, not on the codes
     "rounds": 5,
@@ -123,17 +125,34 @@ def _model(job: dict, q) -> None:
                    "prompt_tokens": job["prompt_tokens"], "new_tokens": job["new_tokens"]} for label in job["rows"]}
     compressed: dict = {}
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    bandwidth = {}
+    for n in job["timing_threads"]:
+        set_threads(n)
+        bandwidth[n] = read_bandwidth_gb_s()
+    for label in out:
+        out[label]["bandwidth_gb_s"] = {str(n): round(b, 2) for n, b in bandwidth.items()}
+    for label in job["compiled"]:
+        out[f"{label} compiled"] = {**out[label], "row": f"{label} compiled"}
     for key in job["dtypes"]:
         models = {label: _build(job, path, label, dtypes[key], compressed) for label in job["rows"]}
+        for label in job["compiled"]:  # the fast-generation path transformers documents
+            models[f"{label} compiled"] = twin = _build(job, path, label, dtypes[key], {})
+            twin.forward = torch.compile(twin.forward)
+            twin.generation_config.cache_implementation = "static"
+            decode_tokens_per_s(twin, tok, new_tokens=job["new_tokens"], repeats=0, prompt_tokens=job["prompt_tokens"])
         for n in job["timing_threads"]:
             set_threads(n)
             with torch.no_grad():
                 speeds = interleaved(models, {"": lambda m: decode_tokens_per_s(
                     m, tok, new_tokens=job["new_tokens"], repeats=1, prompt_tokens=job["prompt_tokens"])}, job["rounds"], list)
-            for label in job["rows"]:
+            for label in models:
                 v = speeds[f"{label} "]
                 out[label].update({f"tok_s_{key}_t{n}": statistics.median(v), f"tok_s_{key}_t{n}_best": max(v),
                                    f"tok_s_{key}_t{n}_all": v})
+        for label, m in models.items():  # after every generate: what the model holds and reads a token
+            from hf_tensorcomp.eval.memory import held_bytes
+
+            out[label].update({f"held_mb_{key}": held_bytes(m) / 1e6, f"read_mb_{key}": bytes_read_per_token(m) / 1e6})
         del models
     q.put(list(out.values()))
 
@@ -171,27 +190,38 @@ def run(cfg: dict) -> list[dict]:
 
 
 def report(rows: list[dict]) -> str:
-    """Per model and dtype: tok/s and the ratio to the dense model at each thread count timed (rows written
-    before thread counts were recorded: their one count, 1)."""
+    """Per model: every row in each dtype at each thread count — tok/s, the ratio to the dense model in float32
+    AND in bfloat16 (same run), the bytes held after generate, the bytes read a token, and the fraction of the
+    memory-bound limit (read bandwidth / bytes read a token) the row reaches. Rows written before bytes were
+    recorded: their old per-dtype table."""
     out = []
+    for r in rows:  # rows written before thread counts were recorded: one thread
+        r.update({f"{k}_t1": r[k] for k in ("tok_s_fp32", "tok_s_bf16") if k in r})
     for model, rs, dense in per_model(rows):
         out.append(f"### {model}\n\nCPU (torch's dispatch): {dense.get('cpu', 'not recorded')}; PyTorch's default "
-                   f"threads here: {dense.get('default_threads', 'not recorded')}\n")
-        for key, name in (("fp32", "float32"), ("bf16", "bfloat16")):
-            counts = sorted({int(k.split("_t")[1]) for k in dense if k.startswith(f"tok_s_{key}_t") and k.count("_") == 3})
-            cols = [("row", "row", "{}")]
-            for n in counts:
-                for r in rs:
-                    if f"tok_s_{key}_t{n}" in r:
-                        r[f"x_{key}_t{n}"] = r[f"tok_s_{key}_t{n}"] / dense[f"tok_s_{key}_t{n}"]
-                cols += [(f"tok_s_{key}_t{n}", f"tok/s, {n} thread{'s' * (n > 1)}", "{:.1f}"),
-                         (f"x_{key}_t{n}", f"vs dense, {n} thread{'s' * (n > 1)}", "{:.2f}x")]
-            if not counts and f"tok_s_{key}" in dense:  # an old row: one thread
-                for r in rs:
-                    r[f"x_{key}"] = r[f"tok_s_{key}"] / dense[f"tok_s_{key}"]
-                cols += [(f"tok_s_{key}", "tok/s, 1 thread", "{:.1f}"), (f"x_{key}", "vs dense, 1 thread", "{:.2f}x")]
-            if len(cols) > 1:
-                out += [f"{name}:\n", markdown_table([r for r in rs if any(r.get(c[0]) is not None for c in cols[1:])], cols), ""]
+                   f"threads here: {dense.get('default_threads', 'not recorded')}; read bandwidth (a torch sum over 1 GiB): "
+                   + ", ".join(f"{b} GB/s at {n} thread{'s' * (int(n) > 1)}" for n, b in dense.get("bandwidth_gb_s", {}).items())
+                   + "\n")
+        counts = sorted({int(m[2]) for k in dense if (m := re.fullmatch(r"tok_s_(fp32|bf16)_t(\d+)", k))})
+        table = []
+        for r in rs:
+            for key, name in (("fp32", "float32"), ("bf16", "bfloat16")):
+                if not counts or f"tok_s_{key}_t{counts[0]}" not in r:
+                    continue
+                row = {"row": f"{r['row']} ({name})", "held": r.get(f"held_mb_{key}"), "read": r.get(f"read_mb_{key}")}
+                for n in counts:
+                    v = r.get(f"tok_s_{key}_t{n}")
+                    bw = dense.get("bandwidth_gb_s", {}).get(str(n))
+                    ratio = lambda d: v / dense[f"tok_s_{d}_t{n}"] if v and f"tok_s_{d}_t{n}" in dense else None  # noqa: E731
+                    row.update({f"t{n}": v, f"x32_{n}": ratio("fp32"), f"x16_{n}": ratio("bf16"),
+                                f"lim_{n}": v * row["read"] / 1e3 / bw if v and bw and row["read"] else None})
+                table.append(row)
+        cols = [("row", "row", "{}"), ("held", "MB held after generate", "{:.1f}"), ("read", "MB read a token", "{:.1f}")]
+        for n in counts:
+            t = f"{n} thread{'s' * (n > 1)}"
+            cols += [(f"t{n}", f"tok/s, {t}", "{:.1f}"), (f"x32_{n}", "x dense fp32", "{:.2f}x"),
+                     (f"x16_{n}", "x dense bf16", "{:.2f}x"), (f"lim_{n}", "of the memory limit", "{:.0%}")]
+        out += [markdown_table(table, cols), ""]
     return "\n".join(out)
 
 

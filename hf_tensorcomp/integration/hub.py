@@ -12,6 +12,7 @@ import os
 from huggingface_hub import HfApi
 
 from ..config import TensorCompressionConfig
+from ..layers.base import FactorizedModule
 from ..methods import get_method
 
 INSTALL_NOTE = (
@@ -116,7 +117,7 @@ def model_card(model, results: dict | None = None, base_model: str | None = None
         if bits:
             lines.append("\nBits per stored matrix: " + ", ".join(f"{b} ×{n}" for b, n in sorted(bits.items())) + ".")
         before, after = st.get("params_before"), st.get("params_after")
-        if any(m.__dict__.get("_qfactors") for m in model.modules()):  # codes are buffers: parameters() misses them
+        if any(isinstance(m, FactorizedModule) and m.quantized_names() for m in model.modules()):  # codes are buffers
             from ..eval.peers import stored_values
 
             values = stored_values(model)

@@ -135,7 +135,7 @@ class LowRankLinear(FactorizedModule):
         return torch.cat([v * d[:, None], ut / d[:, None]], 1).to(w.dtype)
 
     def __getattr__(self, name: str):
-        if name == "weight" and "weight" in self.__dict__.get("_qfactors", {}):
+        if name == "weight" and self.qspec("weight"):
             return self._dequantized_weight()
         return super().__getattr__(name)
 
@@ -147,7 +147,7 @@ class LowRankLinear(FactorizedModule):
         if any(t.device.type == "meta" for t in parts) or "weight_scale" in self._parameters:
             w = super().__getattr__("weight")
             return w.T if self.channel_groups and w.device.type != "meta" else w
-        key = (change_key(parts), self.__dict__["_qfactors"]["weight"][3], self.channel_groups)
+        key = (change_key(parts), self.qspec("weight")[3], self.channel_groups)
         cache = self.__dict__.get("_dequantized")
         if cache is None or cache[0] != key:
             with torch.inference_mode(False), torch.no_grad():
@@ -212,7 +212,7 @@ class LowRankLinear(FactorizedModule):
         healing made SmolLM2 worse): healing trains the same product as balanced plain factors, U = Q_u X Σ^½,
         V = Σ^½ Yᵀ Q_vᵀ (from the SVD of the r x r product of the factors' triangular parts), and
         `storage_form` pivots the result again. A quantized pivoted factor stays as it is."""
-        if self.pivots is None or "weight" in self.__dict__.get("_qfactors", {}):
+        if self.pivots is None or self.qspec("weight"):
             return False
         qu, ru = torch.linalg.qr(self.u.detach().double())
         qv, rv = torch.linalg.qr(self.v.detach().double().T)
@@ -240,7 +240,7 @@ class LowRankLinear(FactorizedModule):
                 "rank": self.rank, "bias": self.bias is not None}
         if self.pivots is not None:
             spec["pivoted"] = True
-        if self.channel_groups and "weight" in self.__dict__.get("_qfactors", {}):
+        if self.channel_groups and self.qspec("weight"):
             spec["channel_groups"] = True
         return spec
 

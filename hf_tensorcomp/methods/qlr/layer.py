@@ -106,10 +106,10 @@ class QuantizedLowRankLinear(FactorizedModule):
 
     def append_factors(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """Add ``u @ v`` (u: out x k, v: k x in) to the correction, growing its rank by k (LoRA merge)."""
-        if self.__dict__.get("_qfactors", {}).keys() & {"lora_A", "lora_B"}:
+        if {"lora_A", "lora_B"} & set(self.quantized_names()):
             raise ValueError("LoRA merge: this layer's correction is quantized (factor_bits); allowed: keeping the adapter "
                              "separate (peft_model.save_pretrained)")
-        dtype = self.__dict__["_qfactors"]["weight"][3] if "_qfactors" in self.__dict__ else self.weight.dtype
+        dtype = self.qspec("weight")[3] if self.qspec("weight") else self.weight.dtype
         a = torch.cat([self.lora_A.data, v.to(self.lora_A)]) if self.rank else v.detach().to(dtype).clone()
         b = torch.cat([self.lora_B.data, u.to(self.lora_B)], 1) if self.rank else u.detach().to(dtype).clone()
         self.lora_A, self.lora_B = nn.Parameter(a), nn.Parameter(b)
@@ -135,7 +135,7 @@ class QuantizedLowRankLinear(FactorizedModule):
                    rotation_block=spec.get("rotation_block", 0))
 
     def extra_repr(self) -> str:
-        q = self.__dict__.get("_qfactors", {}).get("weight")
+        q = self.qspec("weight")
         bits = f", bits={q[0]}, group_size={q[1]}" if q else ""
         rot = f", rotation_block={self.rotation_block}" if self.rotation_block else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}{bits}{rot}"
