@@ -138,3 +138,23 @@ def test_quantized_healing_on_gpu_trains_scales_keeps_codes_and_reloads(tiny_dir
         model.save_pretrained(tmp_path)
         again = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda").eval()
         assert torch.equal(again(ids.cuda()).logits, ref)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qlr_on_gpu_runs_tinygemm_from_one_copy(tiny_dirs, ids, tmp_path, bits):
+    """4- and 8-bit codes moved to CUDA are held in tinygemm's layout (its codes read back equal, or the layer
+    keeps the packed codes and de-quantizes), run through it, give the de-quantized product's logits to
+    bfloat16 tolerance, and save the packed codes as the CPU model does."""
+    from hf_tensorcomp.methods.qlr import QuantizedLowRankLinear
+
+    cpu = load(tiny_dirs["llama"], "cpu", method="qlr", bits=bits, group_size=32, rank=4, calibration=CAL)
+    cpu.save_pretrained(tmp_path / "cpu")
+    gpu = AutoModelForCausalLM.from_pretrained(tmp_path / "cpu", device_map="cuda", dtype=torch.bfloat16).eval()
+    layers = [m for m in gpu.modules() if isinstance(m, QuantizedLowRankLinear)]
+    assert all(m._held("weight") is not None and m.weight_kernel_sz.is_cuda for m in layers)
+    ref = cpu.to(torch.bfloat16)(ids).logits.float()
+    assert rel_err(gpu(ids.cuda()).logits.float().cpu(), ref) < 0.03
+    gpu.save_pretrained(tmp_path / "gpu")
+    for k, v in AutoModelForCausalLM.from_pretrained(tmp_path / "gpu").state_dict().items():
+        assert torch.equal(v, AutoModelForCausalLM.from_pretrained(tmp_path / "cpu").state_dict()[k]), k

@@ -534,6 +534,18 @@ def test_one_copy_of_the_codes_held_after_generate(tiny_dirs, tmp_path, ids, bit
         assert torch.equal(twice.generate(ids[:1, :5], max_new_tokens=4, do_sample=False), out)
 
 
+def test_nibble_pairs_for_cuda_kernel_pack_two_codes_a_byte_high_first():
+    """The input of CUDA's tinygemm packing (`_convert_weight_to_int4pack`): codes 2j in the high nibble, 2j + 1 in
+    the low one; unpacked it gives the codes back (the layout tinygemm then builds is checked on the device)."""
+    from hf_tensorcomp.decompositions.quantize import nibble_pairs
+
+    codes = torch.randint(0, 16, (48, 256), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    pairs = nibble_pairs(codes)
+    assert pairs.shape == (48, 128) and pairs.dtype == torch.uint8
+    back = torch.stack([pairs >> 4, pairs & 15], -1).reshape(48, 256)
+    assert torch.equal(back.int(), codes)
+
+
 @needs_kernel
 def test_compressed_layers_trace_without_graph_breaks(tiny_dirs, ids):
     """`torch.compile` (transformers' static-cache path) sees the library's layers whole: nothing in their

@@ -331,6 +331,13 @@ def int4pack_rows(packed: torch.Tensor, n_rows: int, width: int, rows: torch.Ten
     return ((flat[base[:, None] + stride[:, None] * cols] >> shift[:, None].to(torch.uint8)) & 15).to(torch.uint8)
 
 
+def nibble_pairs(nibbles: torch.Tensor) -> torch.Tensor:
+    """(n, 2k) 4-bit values -> (n, k) uint8, value 2j in the high nibble and 2j + 1 in the low one: the input
+    of ``torch.ops.aten._convert_weight_to_int4pack`` (CUDA's tinygemm), as torchao's int4 weights build it."""
+    v = nibbles.to(torch.uint8)
+    return (v[:, ::2] << 4 | v[:, 1::2]).contiguous()
+
+
 _LAYOUT_OK: list[bool] = []
 
 
@@ -383,9 +390,15 @@ class Int4Kernel:
     repeats: int = 1  # nibbles (5-, 6-, 8-bit codes: 2), run as one call on the input repeated along its width
 
     @staticmethod
-    def fits(bits: int, group_size: int, shape) -> bool:
-        return (bits in BITS and group_size in KERNEL_GROUPS and len(shape) == 2 and shape[0] % 16 == 0
-                and int4_kernel_available())  # the kernel's packing needs rows in multiples of 16
+    def fits(bits: int, group_size: int, shape, device="cpu") -> bool:
+        """Whether the kernel runs such a factor on `device`: on CPU PyTorch's CPU int4 kernel (its packing needs
+        rows in multiples of 16); on CUDA tinygemm (``_weight_int4pack_mm``, the kernel torchao's int4 weights
+        run), whose layout `build` checks against the codes before it is used."""
+        kind = torch.device(device).type
+        ok = bits in BITS and group_size in KERNEL_GROUPS and len(shape) == 2 and shape[0] % 16 == 0
+        if kind == "cuda":
+            return ok and hasattr(torch.ops.aten, "_weight_int4pack_mm") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack")
+        return ok and kind == "cpu" and int4_kernel_available()
 
     @classmethod
     def build(cls, q: QTensor) -> "Int4Kernel | None":
@@ -410,17 +423,39 @@ class Int4Kernel:
             nibbles = [(codes >> 4, zero >> 4, scale * 16), (codes & 15, zero & 15, scale)]
         c = torch.cat([n[0] for n in nibbles], 1)
         sz = torch.cat([torch.stack([s, (8 - z).float() * s], -1).transpose(0, 1) for _, z, s in nibbles])
+        sz = sz.contiguous().to(torch.bfloat16)
         try:
+            if c.device.type == "cuda":
+                return cls._build_cuda(c, sz, q, per_row * g, len(nibbles))
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1)
         except RuntimeError:
             return None
-        return cls(packed, sz.contiguous().to(torch.bfloat16), in_f, per_row * g, g, q.bits, len(nibbles))
+        return cls(packed, sz, in_f, per_row * g, g, q.bits, len(nibbles))
+
+    @classmethod
+    def _build_cuda(cls, c: torch.Tensor, sz: torch.Tensor, q: QTensor, padded: int, repeats: int) -> "Int4Kernel | None":
+        """tinygemm's layout of nibbles `c` (out, padded * repeats), kept only when its codes read back equal
+        (`codes`, through the kernel itself) — its packing is not documented, so it is checked, not assumed."""
+        kernel = cls(torch.ops.aten._convert_weight_to_int4pack(nibble_pairs(c), 2), sz, q.shape[1], padded, q.group_size,
+                     q.bits, repeats)
+        return kernel if torch.equal(kernel._nibbles(), c.to(torch.uint8)) else None
+
+    def _nibbles(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The (out or len(rows), padded * repeats) 4-bit values the layout holds."""
+        out_f, width = self.sz.shape[1], self.padded * self.repeats
+        if self.packed.device.type != "cuda":
+            return int4pack_rows(self.packed, out_f, width, rows)
+        # tinygemm's layout read through tinygemm: the identity times weights of scale 1 and offset 8 gives the codes
+        unit = torch.stack([torch.ones_like(self.sz[..., 0]), torch.full_like(self.sz[..., 0], 8)], -1)
+        eye = torch.eye(width, dtype=torch.bfloat16, device=self.packed.device)
+        nib = torch.ops.aten._weight_int4pack_mm(eye, self.packed, self.group_size, unit.contiguous()).T.to(torch.uint8)
+        return nib if rows is None else nib[rows.reshape(-1).long()]
 
     def codes(self, zero: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The stored codes (uint8, (len(rows) or out, in_features)) of rows `rows` (all when None); `zero` is
         the stored zero points (5- and 6-bit codes were recentred by them)."""
         out_f = self.sz.shape[1]
-        nib = int4pack_rows(self.packed, out_f, self.padded * self.repeats, rows)
+        nib = self._nibbles(rows)
         if self.repeats == 1:
             return nib[:, : self.in_features]
         c = nib[:, : self.padded].to(torch.int32) * 16 + nib[:, self.padded:]
@@ -442,4 +477,5 @@ class Int4Kernel:
             x2 = wide.view(x2.shape[0], -1)
         else:
             x2 = x2.contiguous()
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.sz).reshape(*lead, -1)
+        mm = torch.ops.aten._weight_int4pack_mm if x2.device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
+        return mm(x2, self.packed, self.group_size, self.sz).reshape(*lead, -1)

@@ -167,7 +167,7 @@ class FactorizedModule(nn.Module):
         """`nn.Module._apply` (``.to``, ``.half``, ``.cuda`` ...) keeping quantized factors' float16 scales as
         stored (a bfloat16 cast would round them) and de-quantizing to the module's new float dtype; a factor
         held in the kernel's layout goes back to its packed codes for the move and is held again after it
-        where the kernel runs (on CPU)."""
+        where the kernel runs (CPU, CUDA)."""
         q = self.__dict__.get("_qfactors")
         if not q or any(f"{n}_scale" in self._parameters for n in q):  # scales in training: moved like parameters
             return super()._apply(fn, recurse)
@@ -187,14 +187,14 @@ class FactorizedModule(nn.Module):
 
     def factor_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, <factor name>, bias)``. A quantized factor held in the kernel's layout (`hold_kernels`)
-        runs through PyTorch's CPU int4 kernel (`quantize.Int4Kernel`) when the activations are on CPU and no
-        gradient flows to them: bfloat16 activations as they are, float32 ones rounded to bfloat16 for the
+        runs through PyTorch's int4 kernel (`quantize.Int4Kernel`: the CPU kernel, or tinygemm on CUDA) when the
+        activations are on its device and no gradient flows to them: bfloat16 activations as they are, float32 ones rounded to bfloat16 for the
         product (the kernel's only input type; the result is cast back) — faster than the float32 dense product
         it replaces, where de-quantizing at every call is several times slower. Otherwise (on other devices,
         where the kernel refuses the shape, or while `train_scales` trains the scales) on its de-quantized value,
         exactly."""
         kernel = self._held(name)
-        if (kernel is not None and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+        if (kernel is not None and x.dtype in (torch.bfloat16, torch.float32) and x.device == kernel.packed.device
                 and not (torch.is_grad_enabled() and x.requires_grad)):
             y = kernel(x.to(torch.bfloat16)).to(x.dtype)
             return y if bias is None else y + bias
@@ -233,15 +233,16 @@ class FactorizedModule(nn.Module):
         return self.__dict__.get("_kernels", {}).get(name)
 
     def _hold(self, name: str) -> bool:
-        """Hold quantized factor `name` in the CPU int4 kernel's layout, in place of its packed codes (2- and
+        """Hold quantized factor `name` in the int4 kernel's layout (CPU, or tinygemm's on CUDA), in place of its packed codes (2- and
         3-bit codes then take 4 bits in memory, 5- and 6-bit codes 8, plus 4 bytes a group and nibble of bfloat16
         scales and offsets beside the stored scales and zero points); True when it is (or already was)."""
         if self._held(name) is not None:
             return True
         bits, group, shape, _ = self.qspec(name)
         codes, scale, zero = self._factor_tensors(name)
-        if (any(t.device.type != "cpu" for t in (codes, scale, zero)) or f"{name}_scale" in self._parameters
-                or not Int4Kernel.fits(bits, group, shape) or not int4pack_layout_ok()):
+        device = codes.device
+        if (any(t.device != device for t in (scale, zero)) or f"{name}_scale" in self._parameters
+                or not Int4Kernel.fits(bits, group, shape, device) or (device.type == "cpu" and not int4pack_layout_ok())):
             return False
         kernel = Int4Kernel.build(self.quantized(name))
         if kernel is None:
