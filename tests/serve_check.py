@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 
-def load(out: Path):
+def load(out: Path, transforms: bool = True):
+    """The exported model; ``transforms=False`` leaves the checkpoint's transforms out (a control)."""
     from transformers import AutoModelForCausalLM
 
     from safetensors.torch import load_file
@@ -31,7 +32,7 @@ def load(out: Path):
             owner, _, leaf = key.rpartition(".")
             model.get_submodule(owner).get_parameter(leaf).data = t
     tconfig = json.loads((out / "base" / "config.json").read_text())["quantization_config"].get("transform_config")
-    if tconfig:
+    if tconfig and transforms:
         from compressed_tensors.transform import TransformConfig, apply_transform_config
 
         online = {name: {**scheme, "apply": [a for a in scheme["apply"] if a["location"] in ("input", "output")]}
