@@ -10,6 +10,7 @@ from .config import TensorCompressionConfig
 from .convert import convert_gguf
 from .healing import heal
 from .integration import AutoModelForCausalLM, TensorCompQuantizer, compress
+from .integration.export import export
 from .integration.hub import model_card, push_to_hub, write_model_card
 from .layers import LowRankLinear
 from .methods.einsort import EinSortCache
@@ -17,5 +18,5 @@ from .streaming import compress_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["TensorCompressionConfig", "compress", "compress_checkpoint", "convert_gguf", "heal", "EinSortCache", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "model_card",
+__all__ = ["TensorCompressionConfig", "compress", "compress_checkpoint", "convert_gguf", "export", "heal", "EinSortCache", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "model_card",
            "push_to_hub", "write_model_card", "__version__"]

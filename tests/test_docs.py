@@ -28,6 +28,8 @@ LANGS = ("python", "bash")
 
 #: (page, first line of the block without its trailing comment) of every block that does not run here, and why
 NO_RUN = {
+    ("docs/serving.md", "vllm serve out/smollm2-ct/base --enable-lora --lora-modules correction=out/smollm2-ct/adapter --max-lora-rank 64"):
+        "vLLM needs a GPU",
     ("README.md", 'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[quanto]" && '
                   ".venv/bin/hf-tensorcomp compress --recipe recipes/qlr_smollm2.json --out out/smollm2-qlr"):
         "installs packages and compresses the real SmolLM2",

@@ -137,33 +137,57 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "deq
     one (only the files written are replaced); the two apart from each other and from the folder the model
     was loaded from.
     """
-    import copy
-
-    from peft import get_peft_model
-
     from .io import atomic_dir
 
     _check_export_folders(model, base_dir, adapter_dir, base_format, overwrite)
+    qlr = qlr_modules(model, "export_qlr")
+    packed, quant_config = {}, None
+    if base_format == "compressed-tensors":  # checked before anything is written
+        from .compressed_tensors import quantized_base_tensors
+
+        packed, quant_config = quantized_base_tensors(qlr)
+    base, ranks, factors = plain_base(model, qlr, dtype, with_qlr_weights=quant_config is None)
+    if not ranks:
+        raise ValueError("export_qlr: every qlr layer has rank 0 (no correction): the base alone is the model")
+    with atomic_dir(base_dir, overwrite=overwrite) as tmp:
+        if quant_config is None:
+            base.save_pretrained(tmp)
+        else:  # the replaced linears' weights go as their packed codes instead
+            from .compressed_tensors import write_config
+
+            save_base_tensors(base, qlr, packed, tmp)
+            write_config(tmp, quant_config)
+    with atomic_dir(adapter_dir, overwrite=overwrite) as tmp:
+        save_adapter(base, ranks, factors, tmp)
+    return str(base_dir), str(adapter_dir)
+
+
+def qlr_modules(model, who: str) -> dict:
+    """``{name: QuantizedLowRankLinear}`` of `model`; refused by name where there is none."""
+    qlr = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLowRankLinear)}
+    if not qlr:
+        raise ValueError(f"{who}: the model has no qlr layers; allowed: a model compressed with method='qlr'")
+    return qlr
+
+
+def plain_base(model, qlr: dict, dtype=None, with_qlr_weights: bool = True):
+    """(the model as a plain transformers model of its own class, ``{name: rank}``, ``{name: (A, B)}``): the
+    replaced linears hold Q(W) de-quantized (or are left at their initial values without `with_qlr_weights`,
+    for a writer that stores their codes instead), quantized tables de-quantized and tied again, the rest as it
+    is, in `dtype` (default: the model's)."""
+    import copy
+
     plain_cfg = copy.deepcopy(model.config)
-    for key in ("quantization_config",):
-        if hasattr(plain_cfg, key):
-            delattr(plain_cfg, key)
+    if hasattr(plain_cfg, "quantization_config"):
+        delattr(plain_cfg, "quantization_config")
     tables = {n: m for n, m in model.named_modules() if isinstance(m, (QuantizedEmbedding, QuantizedHead))}
     if any(getattr(m, "tied", False) for m in tables.values()):  # a tied quantized head: tied again in the plain base
         set_tied_embeddings(plain_cfg, True)
     base = type(model)(plain_cfg)
     dtype = dtype or next(model.parameters()).dtype
     state, ranks, factors = {}, {}, {}
-    qlr = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLowRankLinear)}
-    if not qlr:
-        raise ValueError("export_qlr: the model has no qlr layers; allowed: a model compressed with method='qlr'")
-    packed, quant_config = {}, None
-    if base_format == "compressed-tensors":  # checked before anything is written
-        from .compressed_tensors import quantized_base_tensors
-
-        packed, quant_config = quantized_base_tensors(qlr)
     for name, m in qlr.items():
-        if quant_config is None:  # with a packed base the codes are written instead of Q(W)
+        if with_qlr_weights:
             state[f"{name}.weight"] = m.base_weight().detach()
         if m.bias is not None:
             state[f"{name}.bias"] = m.bias.detach()
@@ -178,30 +202,33 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "deq
         owner = name.rpartition(".")[0]
         if owner not in qlr and owner not in tables:
             state[name] = t
-    if not ranks:
-        raise ValueError("export_qlr: every qlr layer has rank 0 (no correction): the base alone is the model")
     base.load_state_dict(state, strict=False)
     base.tie_weights()
-    base = base.to(dtype)
-    with atomic_dir(base_dir, overwrite=overwrite) as tmp:
-        if quant_config is None:
-            base.save_pretrained(tmp)
-        else:  # the replaced linears' weights go as their packed codes instead
-            from safetensors.torch import save_file
+    return base.to(dtype), ranks, factors
 
-            from .compressed_tensors import write_config
 
-            base.config.save_pretrained(tmp)
-            write_config(tmp, quant_config)
-            rest, seen = {}, set()
-            for k, v in base.state_dict().items():
-                if (k.rpartition(".")[0] in qlr and k.endswith(".weight")) or v.data_ptr() in seen:
-                    continue  # a replaced weight (its codes go instead), or a tied copy (the head's: stored once)
-                seen.add(v.data_ptr())
-                rest[k] = v.detach().contiguous()
-            save_file({**rest, **packed}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            if base.generation_config is not None:
-                base.generation_config.save_pretrained(tmp)
+def save_base_tensors(base, qlr: dict, extra: dict, folder) -> None:
+    """Write `base`'s config, generation config and weights to `folder` with the weights of the `qlr` linears left
+    out and the tensors `extra` (their codes, in some format) in their place; a tied copy is stored once."""
+    from safetensors.torch import save_file
+
+    base.config.save_pretrained(folder)
+    rest, seen = {}, set()
+    for k, v in base.state_dict().items():
+        if (k.rpartition(".")[0] in qlr and k.endswith(".weight")) or v.data_ptr() in seen:
+            continue  # a replaced weight (its codes go instead), or a tied copy (the head's: stored once)
+        seen.add(v.data_ptr())
+        rest[k] = v.detach().contiguous()
+    save_file({**rest, **extra}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if base.generation_config is not None:
+        base.generation_config.save_pretrained(folder)
+
+
+def save_adapter(base, ranks: dict, factors: dict, folder) -> None:
+    """Save the corrections ``{name: (A, B)}`` as a PEFT LoRA adapter on `base` (scaling 1, each layer's rank in
+    ``rank_pattern``) to `folder`. The adapter is injected into `base` itself: call it last."""
+    from peft import get_peft_model
+
     config = LoraConfig(r=max(ranks.values()), lora_alpha=max(ranks.values()), lora_dropout=0.0,
                         target_modules=sorted(ranks), rank_pattern=dict(ranks), alpha_pattern=dict(ranks))
     peft_model = get_peft_model(base, config)
@@ -210,6 +237,4 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "deq
             layer = peft_model.base_model.model.get_submodule(name)
             layer.lora_A["default"].weight.copy_(a)
             layer.lora_B["default"].weight.copy_(b)
-    with atomic_dir(adapter_dir, overwrite=overwrite) as tmp:
-        peft_model.save_pretrained(tmp)
-    return str(base_dir), str(adapter_dir)
+    peft_model.save_pretrained(folder)

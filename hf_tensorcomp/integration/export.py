@@ -1,0 +1,42 @@
+"""`export`: a compressed model in a format a serving engine reads; one writer per format, one file each.
+
+``hf_tensorcomp.export(model, "out", format="compressed-tensors")`` (`export_ct`: vLLM, transformers; the
+base in ``out/base``, the correction as a PEFT LoRA adapter in ``out/adapter``). The library's write rule: the
+folder is written as a temporary sibling and renamed into place; never over or inside the folder the model was
+loaded from; a folder that exists and is not empty is refused unless ``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FORMATS = ("compressed-tensors",)
+
+
+def export(model, out, format: str = "compressed-tensors", overwrite: bool = False, **options) -> dict:
+    """Write `model` (compressed with ``method="qlr"``) to the folder `out` in `format`.
+
+    options (``format="compressed-tensors"``): ``widths="vllm"`` (default: every width at the nearest of 4 and
+    8 bits at or above it, what vLLM's kernels serve) or ``"any"`` (each width as the budget chose it).
+    Returns ``{"base": folder, "adapter": folder or None, "report": [lines]}``: per width what was written and
+    what it cost, the rotation, the correction.
+    """
+    from .io import atomic_dir, refuse_overlap
+
+    if format not in FORMATS:
+        raise ValueError(f"export: format: got {format!r}; allowed: {' | '.join(map(repr, FORMATS))}")
+    allowed = {"compressed-tensors": {"widths"}}[format]
+    for key in options:
+        if key not in allowed:
+            raise ValueError(f"export: {key}: not an option of format={format!r}; allowed: {', '.join(sorted(allowed))}")
+    loaded_from = getattr(model, "name_or_path", None)
+    refuse_overlap(out, [loaded_from if loaded_from and os.path.isdir(loaded_from) else None], "export: out")
+    out = Path(os.path.abspath(out))
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ValueError(f"export: out: {out} exists and is not empty; allowed: a new or empty folder, or overwrite=True")
+    from . import export_ct
+
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        report = export_ct.write(model, out, tmp, **options)
+    return report
