@@ -77,7 +77,7 @@ def _one(model: str, how: str, out: str, limit_mb: int | None, q) -> None:
     set_threads(2)
     import hf_tensorcomp
     from hf_tensorcomp import TensorCompressionConfig, assets
-    from hf_tensorcomp.streaming import PeakRSS
+    from hf_tensorcomp.memory import PeakRSS
     from transformers import AutoModelForCausalLM
 
     src = assets.model_path(model)

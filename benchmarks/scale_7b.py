@@ -115,7 +115,8 @@ def child(argv: list[str]) -> int:
     torch.set_num_threads(threads)
     import hf_tensorcomp
     from hf_tensorcomp import cli
-    from hf_tensorcomp.streaming import LayerStream, PeakRSS, _rss
+    from hf_tensorcomp.layer_stream import LayerStream
+    from hf_tensorcomp.memory import PeakRSS, rss
 
     sys.path.insert(0, str(HERE))
     from scale import _limit_memory
@@ -139,7 +140,7 @@ def child(argv: list[str]) -> int:
             events.append({"pass": "allocation" if type(stream).__name__ == "_ReadOnly" else "layers", "what": what,
                            "layer": li, "t": round(time.perf_counter() - t0, 3),
                            "peak_mb": round((peak.peak - peak.start) / 2**20, 1)})
-            peak.peak = _rss()
+            peak.peak = rss()
 
         def loading(self, li):
             note("load", self, li)
