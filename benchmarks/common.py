@@ -76,11 +76,18 @@ def decode_tokens_per_s(model, tok, new_tokens: int = 32, repeats: int = 3, prom
     return new_tokens / statistics.median(times)
 
 
-def load_recipe(path, defaults: dict) -> dict:
-    """`defaults` updated from a recipe JSON file (its "description" ignored); unknown keys stop the run."""
+def load_recipe(path, defaults: dict, run: str | None = None) -> dict:
+    """`defaults` updated from a recipe JSON file (its "description" ignored); unknown keys stop the run. A file
+    of named runs (``{"description": ..., "runs": {NAME: recipe, ...}}``) gives the recipe of run `run`."""
     out = dict(defaults)
     if path:
         recipe = json.loads(Path(path).read_text())
+        if "runs" in recipe and "runs" not in defaults:
+            if run not in recipe["runs"]:
+                raise SystemExit(f"--recipe {path}: --run: got {run!r}; allowed: one of {', '.join(sorted(recipe['runs']))}")
+            recipe = dict(recipe["runs"][run])
+        elif run is not None:
+            raise SystemExit(f"--run {run}: {path} holds one recipe, not named runs")
         recipe.pop("description", None)
         unknown = sorted(set(recipe) - set(defaults))
         if unknown:
@@ -186,15 +193,16 @@ def _append_row(name: str, row: dict) -> list[dict]:
 
 
 def bench_main(doc: str, name: str, defaults: dict, run, report, plot, header) -> None:
-    """The command line every grid benchmark shares: ``--recipe FILE`` (overrides `defaults`) and
-    ``--report-only``; writes ``results/<name>.md`` (``header(cfg)`` then the report) and the plot."""
+    """The command line every grid benchmark shares: ``--recipe FILE`` (overrides `defaults`; ``--run NAME``
+    picks one of a file's named runs) and ``--report-only``; writes ``results/<name>.md`` (``header(cfg)`` then the report) and the plot."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe")
+    ap.add_argument("--run", help="the run to make, when the recipe file holds named runs")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
-    cfg = load_recipe(args.recipe, defaults)
+    cfg = load_recipe(args.recipe, defaults, args.run)
     name = cfg.get("results", name)
     rows = json.loads((RESULTS / f"{name}.json").read_text()) if args.report_only else run(cfg)
     md = report(rows)

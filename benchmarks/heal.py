@@ -8,6 +8,7 @@ the decoder linears vs bf16, healing time and peak memory. Each row runs in a ch
 
     python benchmarks/heal.py                 # the grid (rows already in the JSON are kept)
     python benchmarks/heal.py --report-only
+    python benchmarks/heal.py --recipe benchmarks/recipes/heal/runs.json --run smollm2_qlr027_lm   # one named run
 """
 
 from __future__ import annotations
