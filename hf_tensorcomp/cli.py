@@ -155,7 +155,7 @@ def cmd_compress(args) -> int:
     _check_out(out, args.overwrite)
     src = _resolve(args.model)
     if os.path.isdir(src):  # a local model: --out never is, lies inside or holds it (--overwrite would replace it)
-        from .integration.io import refuse_overlap
+        from .atomic import refuse_overlap
 
         refuse_overlap(out, [src], "--out")
     dtype = getattr(torch, args.dtype)
@@ -224,7 +224,7 @@ def cmd_compress(args) -> int:
         report["hub_url"] = str(push_to_hub(model, args.push_to_hub, tokenizer=tok, results=results,
                                             base_model=_base_model(args.model)))
     print_report(report)
-    from .integration.io import atomic_file
+    from .atomic import atomic_file
 
     with atomic_file(out / "compression_report.json") as tmp:
         tmp.write_text(json.dumps(report, indent=2) + "\n")
@@ -290,7 +290,7 @@ def cmd_sweep(args) -> int:
 
     from .assets import load_bigbench_task
     from .eval import multiple_choice_accuracy, perplexity
-    from .integration.io import atomic_file
+    from .atomic import atomic_file
     from .sweep import layer_sweep
 
     if not args.layers or not (args.ranks or args.ratios):

@@ -12,12 +12,12 @@ TEXT_NAMES = {"wikipedia": "Wikipedia", "owt": "OpenWebText"}
 
 
 def write_out(out: Path, overwrite: bool, model, tok, results, base_model, repo_id) -> bool:
-    """Write the folder atomically (a temporary sibling swapped in whole; see `integration.io.atomic_dir`).
+    """Write the folder atomically (a temporary sibling swapped in whole; see `atomic.atomic_dir`).
 
     Without ``--overwrite``, of several runs racing into one ``--out`` only the first to finish succeeds.
     """
     from . import write_model_card
-    from .integration.io import atomic_dir
+    from .atomic import atomic_dir
 
     try:
         with atomic_dir(out, overwrite=overwrite) as tmp:

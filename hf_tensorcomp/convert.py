@@ -113,7 +113,7 @@ def convert_gguf(src, out, dtype="bfloat16", max_shard_size="2GB", overwrite: bo
     from safetensors.torch import save_file
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    from .integration.io import atomic_dir, refuse_overlap
+    from .atomic import atomic_dir, refuse_overlap
 
     src, out = Path(src), Path(out)
     if not src.is_file():

@@ -34,8 +34,8 @@ import torch
 from safetensors.torch import save_file
 
 from . import distributed
+from .atomic import atomic_dir, refuse_overlap
 from .config import TensorCompressionConfig
-from .integration.io import atomic_dir, refuse_overlap
 from .layer_stream import TABLE_BLOCK_BYTES, LayerStream, StreamedEmbedding
 from .memory import PeakRSS, return_large_frees
 from .layout import find_decoder_layers
