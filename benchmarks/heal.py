@@ -8,6 +8,7 @@ the decoder linears vs bf16, healing time and peak memory. Each row runs in a ch
 
     python benchmarks/heal.py                 # the grid (rows already in the JSON are kept)
     python benchmarks/heal.py --report-only
+    python benchmarks/heal.py --recipe benchmarks/recipes/heal/runs.json --run smollm2_qlr027_lm   # one named run
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (RESULTS, bench_main, child_setup, markdown_table, per_model, ppl_both, ratio_plot,  # noqa: E402
+from common import (RESULTS, bench_main, child_setup, linear_bytes, markdown_table, per_model, ppl_both, ratio_plot,  # noqa: E402
                     row_calibration, row_samples, run_rows, wikihow)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
-from quantized import _linear_bytes  # noqa: E402
 
 NAME = "heal"
 DEFAULTS = {
@@ -361,7 +361,7 @@ def _one(job: dict, q) -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg).eval()
         row["compress_s"] = round(time.perf_counter() - t0, 1)
         model.to(job["device"])
-        stored, dense = _linear_bytes(model)
+        stored, dense = linear_bytes(model)
         row["linear_bytes"] = stored / dense
         row["ppl_before"] = ppl_both(model, tok, job["eval_tokens"])
         print(f"{job['row']}: closed form, perplexity {row['ppl_before']}", file=sys.stderr, flush=True)

@@ -46,7 +46,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, markdown_table, set_threads, write_json  # noqa: E402
+from common import RESULTS, cache_bytes, markdown_table, set_threads, write_json  # noqa: E402
 
 from hf_tensorcomp import EinSortCache  # noqa: E402
 from hf_tensorcomp.assets import load_text, model_path  # noqa: E402
@@ -73,29 +73,6 @@ DEFAULT_RECIPE = {
 # --------------------------------------------------------------------------------------------
 # bytes held by transformers' QuantizedCache (quanto: packed data + scale + shift; hqq: W_q + meta)
 # --------------------------------------------------------------------------------------------
-
-def _tensor_bytes(obj) -> int:
-    if isinstance(obj, (tuple, list)):
-        return sum(_tensor_bytes(o) for o in obj)
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(o) for o in obj.values())
-    if isinstance(obj, torch.Tensor):
-        if hasattr(obj, "__tensor_flatten__"):
-            names, _ = obj.__tensor_flatten__()
-            return sum(_tensor_bytes(getattr(obj, n)) for n in names)
-        return obj.numel() * obj.element_size()
-    return 0
-
-
-def cache_bytes(cache) -> int:
-    if isinstance(cache, EinSortCache):
-        return cache.nbytes()
-    total = 0
-    for layer in cache.layers:
-        total += _tensor_bytes([layer.keys, layer.values])
-        total += _tensor_bytes([getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)])
-    return total
-
 
 def dense_bytes(model, batch: int, tokens: int) -> int:
     cfg = model.config

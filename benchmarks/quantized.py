@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (bench_main, child_setup, decode_tokens_per_s, markdown_table, per_model, ppl_both,  # noqa: E402
-                    ratio_plot, row_calibration, row_samples, run_rows, wikihow)
+from common import (bench_main, child_setup, decode_tokens_per_s, linear_bytes, markdown_table, per_model, ppl_both,  # noqa: E402
+                    ratio_plot, row_calibration, row_samples, run_rows, shipped_bytes, wikihow)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 from hf_tensorcomp.eval.peers import quanto_weight_only  # noqa: E402
 
@@ -198,40 +198,8 @@ ROWS["qlr_bytes_0.27_defaults_c32"] = {**ROWS["qlr_bytes_0.27_defaults"], "calib
 ROWS["qlr4_r0_defaults_c32"] = {**ROWS["qlr4_r0_defaults"], "calibration_samples": 32}
 
 
-def _linear_bytes(model) -> tuple[int, int]:
-    """(stored bytes, bf16 bytes) of the decoder layers' linears: float tensors counted at bf16 (the model
-    as shipped), integer codes and float16 scales as stored; quanto weights by their bits and scales.
-    Factors shared by several projections (TensorLLM's, TRAWL's) sit in a container module of their own,
-    counted as stored."""
-    import torch
-
-    from hf_tensorcomp.layers import FactorizedModule
-    from hf_tensorcomp.plan import find_decoder_layers
-
-    _, layers = find_decoder_layers(model)
-    stored = dense = 0
-    for m in layers.modules():
-        if isinstance(m, FactorizedModule):
-            if hasattr(m, "in_features"):
-                dense += m.in_features * m.out_features * 2
-            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
-                stored += t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
-        elif "qweight" in m._buffers:  # GPTQModel's packed linears: every stored tensor, its EoRA adapter's too
-            dense += m.in_features * m.out_features * 2
-            adapter = getattr(m, "adapter", None)  # (a plain object holding lora_A / lora_B)
-            lora = [t for t in (getattr(adapter, "lora_A", None), getattr(adapter, "lora_B", None)) if t is not None]
-            stored += sum(_tensor_bytes(t) for t in [*m.parameters(), *m.buffers(), *lora])
-        elif isinstance(m, torch.nn.Linear):
-            dense += m.weight.numel() * 2
-            bits = getattr(getattr(m, "weight_qtype", None), "bits", 16)  # optimum-quanto's QLinear
-            n = m.weight.numel()
-            stored += (_tensor_bytes(m.weight) if bits == 16 else n + m.out_features * 2 if bits == 8
-                       else n // 2 + n // 128 * 4)
-    return stored, dense
-
-
 def _model_bytes(model, linear_stored: int, linear_dense: int) -> int:
-    """The whole model with the decoder linears as stored (`_linear_bytes`) and every other tensor as
+    """The whole model with the decoder linears as stored (`linear_bytes`) and every other tensor as
     `_as_shipped` counts it (tied embeddings once; a quantized embedding by its codes and scales)."""
     from hf_tensorcomp.plan import find_decoder_layers
 
@@ -257,19 +225,8 @@ def _as_shipped(modules) -> int:
             if name in m._non_persistent_buffers_set or t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
-            total += _tensor_bytes(t)
+            total += shipped_bytes(t)
     return total
-
-
-def _tensor_bytes(t) -> int:
-    """A float tensor at bf16 (as shipped), an integer one as stored; torchao's quantized weights (a tensor
-    subclass holding ``qdata``, ``scale``, ``zero_point``) by those parts, float scales at bf16."""
-    import torch
-
-    parts = [getattr(t, k) for k in ("qdata", "scale", "zero_point") if getattr(t, k, None) is not None]
-    if parts:
-        return sum(_tensor_bytes(p) for p in parts)
-    return t.numel() * (2 if t.dtype == torch.float32 else t.element_size())
 
 
 def _torchao_int8(model) -> None:
@@ -354,7 +311,7 @@ def _gptqmodel_row(job: dict) -> dict:
     model = GPTQModel.load(os.path.join(cache, "q"), adapter=adapter, backend=BACKEND.GPTQ_TORCH, device="cpu",
                            dtype=torch.bfloat16).model.eval()
     row["bits"] = [4]
-    stored, dense = _linear_bytes(model)
+    stored, dense = linear_bytes(model)
     row["linear_bytes"] = stored / dense
     row["model_bytes"] = _model_bytes(model, stored, dense)
     row.update({f"ppl_{c}": v for c, v in ppl_both(model, tok, job["eval_tokens"]).items()})
@@ -420,7 +377,7 @@ def _one(job: dict, q) -> None:
                           for k, v in sorted(kinds.items())}
     row["compress_s"] = round(time.perf_counter() - t0, 1)
     model.eval()
-    stored, dense = _linear_bytes(model)
+    stored, dense = linear_bytes(model)
     row["linear_bytes"] = stored / dense
     row["model_bytes"] = _model_bytes(model, stored, dense)
     row.update({f"ppl_{c}": v for c, v in ppl_both(model, tok, job["eval_tokens"]).items()})

@@ -33,8 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, load_recipe, markdown_table, set_threads, write_json  # noqa: E402
-from rotor_check import best_time  # noqa: E402
+from common import RESULTS, best_time, load_recipe, markdown_table, set_threads, write_json  # noqa: E402
 
 from hf_tensorcomp import TensorCompressionConfig  # noqa: E402
 from hf_tensorcomp.assets import load_bigbench_task, load_text, model_path  # noqa: E402

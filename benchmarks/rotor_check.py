@@ -34,7 +34,7 @@ from hf_tensorcomp.methods.rotor.method import FIT_DEFAULTS, build, num_paramete
 from hf_tensorcomp.training import fit, relative_mse
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import set_threads  # noqa: E402
+from common import best_time, set_threads  # noqa: E402
 
 LAYER = 15
 RESULTS = Path(__file__).parent / "results"
@@ -98,17 +98,6 @@ class VectorProductRotor(RotorLinear):
         xp = xc[None, :, None].expand(lv.branches, lv.m_in, lv.m_out, lv.chunk, xc.shape[-1]).reshape(-1, lv.chunk, xc.shape[-1])
         y = cl.sandwich(xp, left, lv.n, right, dim=-2) * alpha.reshape(-1, 1, 1)
         return y.view(lv.branches, lv.m_in, lv.m_out, lv.chunk, -1).sum(1)
-
-
-def best_time(f, reps, rounds=5):
-    f()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            f()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
 
 
 IMPLEMENTATIONS = {

@@ -16,7 +16,7 @@ from .layers import LowRankLinear
 from .methods.einsort import EinSortCache
 from .streaming import compress_checkpoint
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = ["TensorCompressionConfig", "compress", "compress_checkpoint", "convert_gguf", "export", "heal", "EinSortCache", "AutoModelForCausalLM", "TensorCompQuantizer", "LowRankLinear", "model_card",
            "push_to_hub", "write_model_card", "__version__"]

@@ -133,9 +133,6 @@ def _eval_texts(text) -> list[str]:
     return [text] if isinstance(text, str) else list(dict.fromkeys(text))
 
 
-TEXT_NAMES = {"wikipedia": "Wikipedia", "owt": "OpenWebText"}
-
-
 def _heal(text: str):
     """``--heal JSON``: a JSON object of healing settings (true / false too); checked by the config."""
     try:
@@ -157,6 +154,7 @@ def cmd_compress(args) -> int:
     import transformers
 
     from . import TensorCompressionConfig
+    from .cli_report import TEXT_NAMES, print_report, report_header, write_out
     from .integration.hub import push_to_hub
 
     cfg = TensorCompressionConfig(method=args.method, rank=args.rank, target=args.target, targets=args.targets,
@@ -171,7 +169,7 @@ def cmd_compress(args) -> int:
     _check_out(out, args.overwrite)
     src = _resolve(args.model)
     if os.path.isdir(src):  # a local model: --out never is, lies inside or holds it (--overwrite would replace it)
-        from .integration.io import refuse_overlap
+        from .atomic import refuse_overlap
 
         refuse_overlap(out, [src], "--out")
     dtype = getattr(torch, args.dtype)
@@ -212,7 +210,7 @@ def cmd_compress(args) -> int:
                       dense_bf16_bytes=st["bytes_before"] * 2 // dtype.itemsize)
     report.update(values=stored_values(model), compress_s=st["compress_seconds"],
                   memory_bytes=_memory_after_generate(model, tok))
-    report["header"] = _header(args.model, out, model, st)
+    report["header"] = report_header(args.model, out, model, st)
     if "heal" in st:
         report["heal"] = {k: st["heal"][k] for k in ("held_out_kl_before", "held_out_kl_after", "improved", "seconds")}
     results = {}
@@ -233,15 +231,15 @@ def cmd_compress(args) -> int:
             results[f"perplexity ({where}, ctx {args.context_length}, stride {min(args.stride, args.context_length)}, "
                     f"{args.max_eval_tokens} tokens)"] = round(report["ppl"][t], 3)
             results[f"dense perplexity, same setting ({where})"] = round(report["dense_ppl"][t], 3)
-    if not _write_out(out, args.overwrite, model, tok, results, _base_model(args.model), args.push_to_hub or str(out)):
+    if not write_out(out, args.overwrite, model, tok, results, _base_model(args.model), args.push_to_hub or str(out)):
         return 2
     report["dense_bytes"] = _dir_bytes(src) if os.path.isdir(src) else None
     report["bytes"] = _dir_bytes(out)
     if args.push_to_hub:
         report["hub_url"] = str(push_to_hub(model, args.push_to_hub, tokenizer=tok, results=results,
                                             base_model=_base_model(args.model)))
-    _print_report(report)
-    from .integration.io import atomic_file
+    print_report(report)
+    from .atomic import atomic_file
 
     with atomic_file(out / "compression_report.json") as tmp:
         tmp.write_text(json.dumps(report, indent=2) + "\n")
@@ -284,130 +282,6 @@ def _compress_streaming(src, out: Path, cfg, dtype, args, main: bool = True) -> 
     return 0
 
 
-def _write_out(out: Path, overwrite: bool, model, tok, results, base_model, repo_id) -> bool:
-    """Write the folder atomically (a temporary sibling swapped in whole; see `integration.io.atomic_dir`).
-
-    Without ``--overwrite``, of several runs racing into one ``--out`` only the first to finish succeeds.
-    """
-    from . import write_model_card
-    from .integration.io import atomic_dir
-
-    try:
-        with atomic_dir(out, overwrite=overwrite) as tmp:
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-            write_model_card(model, tmp, results, base_model=base_model, repo_id=repo_id)
-    except FileExistsError as e:
-        print(f"hf-tensorcomp: error: --out: {e}; nothing was written", file=sys.stderr)
-        return False
-    return True
-
-
-def _header(model_name: str, out: Path, model, st: dict) -> list[str]:
-    """What was done, in words: per entry the method, where (targets, layers), the budget or rank it ran at and
-    what it chose (bits, ranks), its settings; the embedding table; the calibration text."""
-    from .config import DEFAULT_GROUP_SIZE
-    from .integration.hub import _layers, chosen_ranks, compression_config
-    from .methods import get_method
-
-    cfg = compression_config(model)
-    n_layers = model.config.get_text_config().num_hidden_layers
-    lines = [f"hf_tensorcomp report: {model_name} -> {out}"]
-    allocation = st.get("allocation", {})
-    for k, e in enumerate(cfg.entries):
-        m = get_method(e.method)
-        doc = (sys.modules[type(m).__module__].__doc__ or "").strip().splitlines()
-        where = _layers(e, st, n_layers)
-        mods = [s for s in st.get("modules", {}).values() if s.get("method") == e.method]
-        summary = doc[0].removeprefix(f"``{e.method}``:").strip().rstrip(".") if doc else ""
-        lines.append(f"  method       {e.method}" + (f" ({summary})" if summary else ""))
-        lines.append(f"  targets      {', '.join(e.targets)} in {'every layer' if where == 'all' else 'layers ' + where}"
-                     f" ({len(mods)} matrices)")
-        a = allocation.get(str(k))
-        if a is not None and m.byte_budget:
-            table = f" and the embedding table ({a['embedding_bits']}-bit codes)" if "embedding_bits" in a else ""
-            lines.append(f"  budget       {a['target']} of the bfloat16 bytes of those matrices{table}; spent "
-                         f"{a['kept_fraction']}")
-        elif a is not None:
-            lines.append(f"  budget       keep {a['target']} of their parameters; kept {a['kept_fraction']}")
-        elif e.rank is not None:
-            lines.append(f"  rank         {e.rank}")
-        bits: dict[int, int] = {}
-        for s in mods:
-            if "bits" in s:
-                bits[s["bits"]] = bits.get(s["bits"], 0) + 1
-        if bits:
-            lines.append("  bits         " + ", ".join(f"{b}-bit x{n}" for b, n in sorted(bits.items())) + " matrices")
-        ranks = chosen_ranks(st, e.method)
-        if ranks != "-":
-            lines.append(f"  ranks        {ranks}" + (" (of the low-rank correction)" if e.method == "qlr" else ""))
-        own = {key: v for key, v in e.options.items() if key != "target_bytes" and m.option_defaults.get(key) != v}
-        if e.factor_bits:
-            own.update(factor_bits=e.factor_bits)
-        if (m.uses_group_size or e.factor_bits) and e.group_size != DEFAULT_GROUP_SIZE:
-            own.update(group_size=e.group_size)
-        listed = ", ".join(f"{key}={json.dumps(v)}" for key, v in own.items())
-        lines.append(f"  settings     {listed + ' (the rest' if own else 'the defaults ('} listed by: "
-                     f"hf-tensorcomp methods {e.method})")
-    if cfg.embedding_bits:
-        emb = [s for s in st.get("modules", {}).values() if s.get("method") == "embedding"]
-        b = emb[0].get("bits", cfg.embedding_bits) if emb else cfg.embedding_bits
-        lines.append(f"  embedding    input embedding and output head as {b}-bit codes, groups of {cfg.embedding_group_size}"
-                     + (" (chosen by the byte budget)" if cfg.embedding_bits == "auto" else ""))
-    c = st.get("calibration")
-    if c is None:
-        lines.append("  calibration  none (data-free)")
-    else:
-        data = c.get("data")
-        data = ({"wikipedia": "Wikipedia calib split", "owt": "OpenWebText calib split",
-                 "wikipedia+owt": "Wikipedia + OpenWebText calib splits"}.get(data, data) if isinstance(data, str)
-                else (data or {}).get("described", "given data"))
-        lines.append(f"  calibration  {data}: {c['samples']} windows, {c['tokens']:,} tokens"
-                     + (", layer outputs propagated" if c.get("propagate") else ", dense activations"))
-    return lines
-
-
-def _print_report(r: dict) -> None:
-    def fmt(v, spec="{:,}"):
-        return "-" if v is None else spec.format(v)
-
-    def ratio(a, b):
-        return f"{a / b:.3f}" if a is not None and b else "-"
-
-    print()
-    print("\n".join(r["header"]))
-    if "eval" in r:
-        e = r["eval"]
-        names = ", ".join(f"{TEXT_NAMES[t]} eval split" if t in TEXT_NAMES else t for t in e["texts"])
-        print(f"  evaluated on {names}: {e['context_length']}-token windows, stride {e['stride']}, "
-              f"at most {e['max_tokens']:,} tokens each")
-    dtype = r.get("dtype", "float32")
-    print(f"\n{'size':<26}{'dense ' + dtype:>16}{'compressed':>16}{'vs ' + dtype:>12}{'vs bfloat16':>13}")
-    rows = [("bytes on disk", r.get("dense_bytes"), r["bytes"]),
-            ("in memory after generate", r.get("dense_memory_bytes"), r["memory_bytes"])]
-    rows += [(f"  {p['name']}: in memory", None, p["memory_bytes"]) for p in r.get("peers", [])]
-    for name, before, after in rows:
-        bf16 = r.get("dense_bf16_bytes")
-        print(f"{name:<26}{fmt(before):>16}{fmt(after):>16}{ratio(after, before or r.get('dense_memory_bytes')):>12}"
-              f"{ratio(after, bf16):>13}")
-    print(f"{'values stored':<26}{fmt(r.get('dense_values')):>16}{fmt(r['values']):>16}{ratio(r['values'], r.get('dense_values')):>12}"
-          f"{'':>13}  (each weight, code, scale, zero point once)")
-    if "ppl" in r:
-        texts = r["eval"]["texts"]
-        print(f"\n{'perplexity':<26}" + "".join(f"{TEXT_NAMES.get(t, t)[:20]:>22}" for t in texts))
-        models = [("dense " + dtype, r["dense_ppl"]), ("compressed", r["ppl"])]
-        models += [(p["name"], p["ppl"]) for p in r.get("peers", [])]
-        for i, (name, ppl) in enumerate(models):
-            cells = (f"{ppl[t]:.3f}" + (f" ({ppl[t] / r['dense_ppl'][t]:.3f}x)" if i else " " * 9) for t in texts)
-            print(f"{name:<26}" + "".join(c.rjust(22) for c in cells))
-    print(f"\n{'compression time (s)':<26}{r['compress_s']:>16}")
-    print(f"{'load + compress (s)':<26}{r['load_and_compress_s']:>16}")
-    if "heal" in r:
-        h = r["heal"]
-        print(f"{'healing: held-out KL':<26}{h['held_out_kl_before']:>16.4f}{h['held_out_kl_after']:>16.4f}"
-              f"{'' if h['improved'] else '  (no gain: left as it was)':>10}  {h['seconds']} s")
-
-
 def cmd_eval(args) -> int:
     import torch
     import transformers
@@ -431,7 +305,7 @@ def cmd_sweep(args) -> int:
 
     from .assets import load_bigbench_task
     from .eval import multiple_choice_accuracy, perplexity
-    from .integration.io import atomic_file
+    from .atomic import atomic_file
     from .sweep import layer_sweep
 
     if not args.layers or not (args.ranks or args.ratios):

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .streaming import PeakRSS, _return_large_frees, _trim
+from .memory import PeakRSS, return_large_frees, trim
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -113,7 +113,7 @@ def convert_gguf(src, out, dtype="bfloat16", max_shard_size="2GB", overwrite: bo
     from safetensors.torch import save_file
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    from .integration.io import atomic_dir, refuse_overlap
+    from .atomic import atomic_dir, refuse_overlap
 
     src, out = Path(src), Path(out)
     if not src.is_file():
@@ -122,7 +122,7 @@ def convert_gguf(src, out, dtype="bfloat16", max_shard_size="2GB", overwrite: bo
     refuse_overlap(out, [src], "convert_gguf: out")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ValueError(f"convert_gguf: out: {out} exists and is not empty; allowed: a new or empty folder, or overwrite=True")
-    _return_large_frees()
+    return_large_frees()
     t0 = time.perf_counter()
     with PeakRSS() as peak:
         # the header: each tensor's name, type, raw shape and offset (the data are not read); the reader's
@@ -137,7 +137,7 @@ def convert_gguf(src, out, dtype="bfloat16", max_shard_size="2GB", overwrite: bo
                  for t in reader.tensors]
         del reader
         gc.collect()
-        _trim()
+        trim()
         config, skeleton = _skeleton(src.parent, src.name)
         processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
         names = get_gguf_hf_weights_map(skeleton, processor)
@@ -177,7 +177,7 @@ def convert_gguf(src, out, dtype="bfloat16", max_shard_size="2GB", overwrite: bo
                     if progress:
                         print(f"convert_gguf: shard {len(shards)}: {len(tensors)} tensors", flush=True)
                 del tensors
-                _trim()
+                trim()
             weight_map = {}
             for i, (part, keys) in enumerate(shards):  # the final names once the number of shards is known
                 file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"

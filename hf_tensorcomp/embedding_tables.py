@@ -2,7 +2,7 @@
 as low-bit codes (`quantize_embeddings`), a tied head reading the embedding's codes. With calibration text the
 table the head multiplies by is quantized by GPTQ on the Gram of the head's inputs (`head_gram` in memory,
 `final_gram` while streaming, one `table_plan` for both); `install_tables` and `table_stats` are shared with the
-streamed table (`hf_tensorcomp.streaming.LayerStream.quantize_table`). The table's rungs in a byte budget are
+streamed table (`hf_tensorcomp.layer_stream.LayerStream.quantize_table`). The table's rungs in a byte budget are
 the allocation's (`hf_tensorcomp.pipeline`)."""
 
 from __future__ import annotations

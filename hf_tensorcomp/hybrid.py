@@ -74,7 +74,7 @@ def build_hybrid(model: str = "smollm2", out=None, progress: bool = True, overwr
     from .config import TensorCompressionConfig
     from .integration.hub import write_model_card
     from .calibration import calibration_ids
-    from .integration.io import atomic_dir
+    from .atomic import atomic_dir
 
     unknown = sorted(set(options) - set(DEFAULTS))
     if unknown:
@@ -89,7 +89,7 @@ def build_hybrid(model: str = "smollm2", out=None, progress: bool = True, overwr
 
         src, base_model = str(model_path(model)), hub_id(model)
     if out is not None:  # checked before any work
-        from .integration.io import refuse_overlap
+        from .atomic import refuse_overlap
 
         refuse_overlap(out, [src] if os.path.isdir(src) else [], "build_hybrid: out")
         if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())) and not overwrite:

@@ -100,7 +100,7 @@ def dies(src, config: dict, out, layer: int = 1) -> dict:
     import torch.distributed as dist
 
     from hf_tensorcomp import TensorCompressionConfig, compress_checkpoint
-    from hf_tensorcomp.streaming import LayerStream
+    from hf_tensorcomp.layer_stream import LayerStream
 
     upto = LayerStream.upto
 

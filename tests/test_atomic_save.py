@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_tensorcomp import TensorCompressionConfig
-from hf_tensorcomp.integration.io import TAG, atomic_dir
+from hf_tensorcomp.atomic import TAG, atomic_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

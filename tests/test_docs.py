@@ -240,3 +240,29 @@ def _run_page(page: Path) -> None:
                 _run_bash(b["body"])
         except Exception as e:
             raise AssertionError(f"{where} failed: {type(e).__name__}: {e}") from e
+
+
+def test_changelog_says_what_changed_release_by_release():
+    """CHANGELOG.md: [Unreleased] first, then released versions as sections (Keep a Changelog), at most 300 lines,
+    no measurement tables (those live in benchmarks/README.md and benchmarks/results/)."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 300, f"CHANGELOG.md: {len(lines)} lines; allowed: at most 300"
+    assert not [line for line in lines if line.lstrip().startswith("|")], "a table in CHANGELOG.md: measurements go to benchmarks/"
+    versions = re.findall(r"^## \[([^\]]+)\]", text, re.M)
+    assert versions and versions[0] == "Unreleased", versions
+    assert all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in versions[1:]) and len(versions) > 1, versions
+    import hf_tensorcomp
+
+    def key(v):
+        return tuple(map(int, v.split(".")))
+
+    assert key(versions[1]) <= key(hf_tensorcomp.__version__), "the latest release is newer than the package's version"
+    assert versions[1:] == sorted(versions[1:], key=key, reverse=True), "released versions newest first"
+
+
+def test_the_version_is_written_once():
+    """pyproject.toml reads the version from ``hf_tensorcomp.__version__``; no other file writes it."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'version = {attr = "hf_tensorcomp.__version__"}' in pyproject
+    assert not re.search(r'^version\s*=\s*"', pyproject, re.M)

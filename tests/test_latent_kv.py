@@ -485,7 +485,7 @@ def test_bad_cache_settings_name_the_field(tiny_dirs):
 def test_codes_come_back_from_their_planes_in_token_order(bits):
     """Every width packs into exactly bits / 8 bytes a code (3, 5, 6: parts of widths dividing a byte) and comes
     back as the same codes, in token order."""
-    from hf_tensorcomp.methods.latent_kv.cache import _pack_planes, _planes
+    from hf_tensorcomp.methods.latent_kv.stores import _pack_planes, _planes
 
     codes = torch.randint(0, 2**bits, (7, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
     packed = _pack_planes(codes, bits)
@@ -561,9 +561,9 @@ def test_prompt_widths_keep_the_latents_better_than_one_width_at_the_same_bytes(
 def _kernel_layer(monkeypatch, r=40, chunk=128, batch=2):
     """A full-attention 4-bit layer on the CPU (the int4 kernel's layouts), chunks of `chunk` tokens, holding
     latents whose channels' ranges span 100x (the latents' singular directions do)."""
-    from hf_tensorcomp.methods.latent_kv import cache
+    from hf_tensorcomp.methods.latent_kv import cache, stores
 
-    monkeypatch.setattr(cache, "CHUNK", chunk)
+    monkeypatch.setattr(stores, "CHUNK", chunk)
     gen = torch.Generator().manual_seed(0)
     layer = cache.LatentKVLayer(cache._Positions(), bits=4, group=64, window=64, sink=16, rotated_keys=True)
     layer.lazy_initialization(torch.zeros(1), None)
@@ -623,9 +623,9 @@ def test_attention_through_the_kernel_equals_attention_on_the_latents_it_holds(m
 def test_decoding_through_the_kernel_layouts_stays_with_the_per_channel_cache(tiny_dirs, monkeypatch):
     """A tiny Llama at 4 bits, groups of 64 tokens, decoding past a closed chunk: the kernel layouts give the
     logits the per-channel codes give, within what 4-bit codes move them anyway."""
-    from hf_tensorcomp.methods.latent_kv import cache
+    from hf_tensorcomp.methods.latent_kv import cache, stores
 
-    monkeypatch.setattr(cache, "CHUNK", 128)
+    monkeypatch.setattr(stores, "CHUNK", 128)
     model, ref = load(tiny_dirs["llama"], rank=1.0, bits=4, group=64), dense(tiny_dirs["llama"])
     ids = long_ids(n=330)
     got, c = decode_logits(model, ids, prefill=290)

@@ -81,3 +81,14 @@ def test_benchmark_recipes_beside_their_script():
             assert isinstance(json.loads(path.read_text(encoding="utf-8")), dict), path
     clash = {p.name for p in USER.glob("*.json")} & {p.name for p in BENCH.rglob("*.json")}
     assert not clash, f"the same name in recipes/ and benchmarks/recipes/: {sorted(clash)}"
+
+
+def test_every_named_benchmark_run_is_cited():
+    """A recipe file of named runs (``{"runs": {NAME: recipe}}``, e.g. ``benchmarks/recipes/heal/runs.json``): every
+    run is named somewhere in the repository's text (``run `NAME` `` or ``--run NAME``), so none is orphaned."""
+    text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in _scanned())
+    files = [p for p in BENCH.rglob("*.json") if "runs" in json.loads(p.read_text(encoding="utf-8"))]
+    assert files, "no recipe file of named runs under benchmarks/recipes/"
+    orphans = sorted(f"{p.relative_to(ROOT)}: {name}" for p in files for name in json.loads(p.read_text())["runs"]
+                     if f"run `{name}`" not in text and f"--run {name}" not in text)
+    assert not orphans, "named runs cited nowhere:\n" + "\n".join(orphans)

@@ -55,9 +55,9 @@ def test_streaming_quantizes_the_embedding_table_as_in_memory(sharded, tmp_path,
     round to nearest without calibration or for an untied embedding) is read, quantized and written a few rows
     at a time, and the checkpoint is bit-identical to in-memory compression's — the tie kept, the table in the
     byte budget counted once. Blocks of 8 rows here: a block boundary that changed a code would show."""
-    from hf_tensorcomp import streaming
+    from hf_tensorcomp import layer_stream
 
-    monkeypatch.setattr(streaming, "TABLE_BLOCK_BYTES", 8 * 48 * 8)
+    monkeypatch.setattr(layer_stream, "TABLE_BLOCK_BYTES", 8 * 48 * 8)
     kw = {**kw, "embedding_group_size": 16}
     memory = AutoModelForCausalLM.from_pretrained(sharded[arch], quantization_config=TensorCompressionConfig(progress=False, **kw))
     report = hf_tensorcomp.compress_checkpoint(sharded[arch], tmp_path / "out", TensorCompressionConfig(progress=False, **kw))

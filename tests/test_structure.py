@@ -1,4 +1,24 @@
-"""The package's shape: no import circles (module-level or lazy, function-level imports alike)."""
+"""The package's shape: no import circles and no import back up the floors (module-level or lazy,
+function-level imports alike), in ``hf_tensorcomp/`` and in ``benchmarks/``; no module over 600 lines.
+
+The floors (`FLOORS`), lowest first; a module may import its own floor and those below, never one above:
+
+0. foundation: `validation`, `layout`, `distributed`, `atomic` (atomic folder / file writes), `memory`
+   (process memory), `shards` (safetensors reads), `heal_settings` -- torch and the standard library only
+1. `decompositions`: the numerical kernels (SVD, CP / Tucker, quantization, pivoted QR, allocation)
+2. `layers`: the compressed modules
+3. data and measures: `assets`, `calibration`, `eval`, `training`
+4. `methods`: one subpackage or module per compression method
+5. the pipeline: `config`, `plan`, `checks`, `surgery`, `healing`, `embedding_tables`, `layer_stream`,
+   `pipeline`, `sweep`
+6. integration: `integration` (transformers' quantizer, the Hub, PEFT, atomic saving), `streaming`, `convert`,
+   `hybrid`
+7. entry points: `cli` (and `cli_report`, its compress report) and the package's ``__init__``
+
+A module's floor is that of its longest dotted prefix in `FLOORS` (``hf_tensorcomp.methods.qlr.layer`` is on
+`methods`' floor); every module must have one. In ``benchmarks/`` each script may import the package and
+``benchmarks/common.py`` (the helpers scripts share), never another script.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +29,19 @@ import hf_tensorcomp
 
 ROOT = Path(hf_tensorcomp.__file__).parent
 PKG = "hf_tensorcomp"
+BENCHMARKS = ROOT.parent / "benchmarks"
+MAX_LINES = 600
+
+FLOORS = [
+    {"validation", "layout", "distributed", "atomic", "memory", "shards", "heal_settings"},
+    {"decompositions"},
+    {"layers"},
+    {"assets", "calibration", "eval", "training"},
+    {"methods"},
+    {"config", "plan", "checks", "surgery", "healing", "embedding_tables", "layer_stream", "pipeline", "sweep"},
+    {"integration", "streaming", "convert", "hybrid"},
+    {"cli", "cli_report", ""},  # "": the package's __init__
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -92,6 +125,63 @@ def test_graph_sees_lazy_imports():
     graph = import_graph()
     assert "hf_tensorcomp.plan" in graph["hf_tensorcomp.pipeline"]
     assert "hf_tensorcomp.calibration" in graph["hf_tensorcomp.pipeline"]  # imported inside a function
+
+
+def floor(module: str) -> int | None:
+    """The floor of `module` (``hf_tensorcomp.x.y``): that of its longest prefix named in `FLOORS`."""
+    parts = module.split(".")[1:]
+    for n in range(len(parts), -1, -1):
+        for i, names in enumerate(FLOORS):
+            if ".".join(parts[:n]) in names:
+                return i
+    return None
+
+
+def test_every_module_has_a_floor():
+    assert [m for m in _modules() if floor(m) is None] == []
+
+
+def test_no_import_runs_back_up_the_floors():
+    graph = import_graph()
+    up = sorted(f"{m} (floor {floor(m)}) imports {t} (floor {floor(t)})" for m, ts in graph.items() for t in ts
+                if floor(t) > floor(m))
+    assert up == []
+
+
+def test_the_floor_check_sees_an_import_up():
+    assert floor("hf_tensorcomp.methods.qlr.layer") == 4 and floor("hf_tensorcomp") == len(FLOORS) - 1
+    assert floor("hf_tensorcomp.integration.hub") > floor("hf_tensorcomp.methods.einsort.method")
+
+
+def test_no_module_over_600_lines():
+    long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def benchmark_graph() -> dict[str, set[str]]:
+    """{script: the other ``benchmarks/`` modules it imports anywhere in its body} (the scripts put their own
+    folder on ``sys.path`` and import each other by bare name)."""
+    scripts = {p.stem: p for p in BENCHMARKS.glob("*.py")}
+    graph = {}
+    for name, path in scripts.items():
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                targets = [node.module or ""]
+            else:
+                continue
+            graph[name] |= {t.split(".")[0] for t in targets if t.split(".")[0] in scripts} - {name}
+    return graph
+
+
+def test_benchmark_scripts_import_only_common():
+    graph = benchmark_graph()
+    assert len(graph) > 5 and "common" in graph
+    assert graph["common"] == set()
+    assert {s: ts for s, ts in graph.items() if ts - {"common"}} == {}
+    assert cycles(graph) == []
 
 
 def test_no_import_circles():

@@ -31,7 +31,7 @@ def cache_dir() -> Path:
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    from ..integration.io import atomic_file
+    from ..atomic import atomic_file
 
     with atomic_file(path) as tmp:
         tmp.write_bytes(data)

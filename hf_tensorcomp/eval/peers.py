@@ -24,7 +24,7 @@ def quanto_weight_only(model: nn.Module, bits: int) -> nn.Module:
     if bits not in QUANTO_BITS:
         raise ValueError(f"quanto_weight_only: bits: got {bits!r}; allowed: 8 | 4")
     quanto = import_quanto()
-    from ..plan import find_decoder_layers
+    from ..layout import find_decoder_layers
 
     _, layers = find_decoder_layers(model)
     quanto.quantize(layers, weights={8: quanto.qint8, 4: quanto.qint4}[bits])

@@ -22,7 +22,7 @@ def export(model, out, format: str = "compressed-tensors", overwrite: bool = Fal
     Returns ``{"base": folder, "adapter": folder or None, "report": [lines]}``: per width what was written and
     what it cost, the rotation, the correction.
     """
-    from .io import atomic_dir, refuse_overlap
+    from ..atomic import atomic_dir, refuse_overlap
 
     if format not in FORMATS:
         raise ValueError(f"export: format: got {format!r}; allowed: {' | '.join(map(repr, FORMATS))}")

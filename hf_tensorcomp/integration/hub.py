@@ -161,7 +161,7 @@ def write_model_card(model, directory, results: dict | None = None, base_model: 
                      repo_id: str | None = None) -> str:
     """Write the model card (`model_card`) as ``README.md`` in `directory`, replacing one there (a temporary sibling
     renamed into place: a reader sees the old card or the new one)."""
-    from .io import atomic_file
+    from ..atomic import atomic_file
 
     path = os.path.join(directory, "README.md")
     text = model_card(model, results, base_model, repo_id)

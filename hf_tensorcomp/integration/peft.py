@@ -106,7 +106,7 @@ def load_lora(model, adapter_dir, **kwargs) -> PeftModel:
 def _check_export_folders(model, base_dir, adapter_dir, base_format: str, overwrite: bool) -> None:
     """`export_qlr`'s format and folders refused before anything is written: the two apart from each other and from
     the folder the model was loaded from, each new or empty unless ``overwrite``."""
-    from .io import refuse_overlap
+    from ..atomic import refuse_overlap
 
     formats = ("dequantized", "compressed-tensors")
     if base_format not in formats:
@@ -137,7 +137,7 @@ def export_qlr(model, base_dir, adapter_dir, dtype=None, base_format: str = "deq
     one (only the files written are replaced); the two apart from each other and from the folder the model
     was loaded from.
     """
-    from .io import atomic_dir
+    from ..atomic import atomic_dir
 
     _check_export_folders(model, base_dir, adapter_dir, base_format, overwrite)
     qlr = qlr_modules(model, "export_qlr")

@@ -17,7 +17,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 
 from .. import checks, pipeline, surgery
 from ..plan import plan
-from .io import make_save_atomic
+from .saving import make_save_atomic
 from ..config import QUANT_METHOD, TensorCompressionConfig
 from ..layers import FactorizedModule
 from ..methods.latent_kv import enable as enable_latent_kv

@@ -330,7 +330,7 @@ def save_activation_scales(scales: dict[str, torch.Tensor], path) -> str:
     there (a temporary sibling renamed into place)."""
     from safetensors.torch import save_file
 
-    from ...integration.io import atomic_file
+    from ...atomic import atomic_file
 
     with atomic_file(path) as tmp:
         save_file({k: v.contiguous().float() for k, v in scales.items()}, str(tmp))

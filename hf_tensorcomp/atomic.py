@@ -8,8 +8,9 @@ save killed before that step leaves the old folder untouched; its temporary fold
 next write beside it (its process is gone). Two writers racing into one folder each produce a whole folder; with ``overwrite=False``
 the second one fails instead of replacing the first.
 
-`make_save_atomic` routes a model's ``save_pretrained`` through `atomic_dir` (the quantizer does it
-for every model it compresses or reloads).
+`hf_tensorcomp.integration.saving.make_save_atomic` routes a model's ``save_pretrained`` through `atomic_dir` (the
+quantizer does it for every model it compresses or reloads). This module needs nothing of the package: the writers
+on every floor (the assets, the methods' side files, the CLI) use it.
 
 Readers are not protected during a rewrite: a reader may see the old config beside new weights. A
 compressed checkpoint whose files change between its header check and the end of its load is refused
@@ -23,8 +24,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import sys
-import types
 from pathlib import Path
 
 TAG = ".hf_tensorcomp-tmp-"
@@ -165,41 +164,3 @@ def atomic_file(path, overwrite: bool = True):
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def unmerged_lora_layers(model) -> list[str]:
-    """Names of the PEFT LoRA layers injected in `model` and not merged (a state dict no loader expects)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer) and not m.merged]
-
-
-def save_pretrained(self, save_directory, *args, **kwargs):
-    """``save_pretrained`` written to a temporary sibling folder and swapped into place (see `atomic_dir`); in a
-    distributed run (`hf_tensorcomp.distributed`), by rank 0 alone (the other ranks hold the same model)."""
-    from ..distributed import is_main
-
-    save = type(self).save_pretrained
-    if not is_main():
-        return None
-    if "peft" in sys.modules:  # an injected, unmerged adapter would be saved as base weights no loader expects
-        layers = unmerged_lora_layers(self)
-        if layers:
-            raise ValueError(
-                f"save_pretrained: {len(layers)} unmerged LoRA layers are injected in this model (e.g. {layers[0]}); "
-                "allowed: peft_model.merge_and_unload() first (LASER layers absorb the adapter), or "
-                "peft_model.save_pretrained(dir) to save the adapter the PEFT way (reload it with "
-                "hf_tensorcomp.integration.peft.load_lora); nothing was written")
-    record = getattr(getattr(self, "config", None), "quantization_config", None)
-    source = (getattr(record, "stats", None) or {}).get("source")
-    if source and os.path.isdir(source):  # never over its own input (heal's default teacher)
-        refuse_overlap(save_directory, [source], "save_pretrained", "the dense checkpoint this model was compressed from:")
-    if os.path.isfile(save_directory):
-        return save(self, save_directory, *args, **kwargs)  # transformers' own error
-    with atomic_dir(save_directory, overwrite=True) as tmp:
-        return save(self, tmp, *args, **kwargs)
-
-
-def make_save_atomic(model) -> None:
-    """Route ``model.save_pretrained`` through `atomic_dir` (a bound method: survives deepcopy and pickle)."""
-    model.save_pretrained = types.MethodType(save_pretrained, model)
