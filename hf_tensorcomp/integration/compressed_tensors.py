@@ -69,7 +69,14 @@ def quantized_base_tensors(modules: dict) -> tuple[dict[str, torch.Tensor], dict
         warnings.warn(f"export_qlr: widths {sorted(widths)} written as {width}-bit codes (transformers' compressed-tensors "
                       f"loader de-quantizes every dense layer with one scheme): codes {written:,.0f} bytes instead "
                       f"of {own:,.0f}", stacklevel=3)
-    config = {
+    config = quantization_config(groups)
+    return state, config
+
+
+def quantization_config(groups: dict) -> dict:
+    """compressed-tensors' ``quantization_config`` for ``{(bits, group_size): [module names]}``: one
+    ``pack-quantized`` asymmetric group scheme per width and group size."""
+    return {
         "quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
         "config_groups": {f"group_{i}": {"targets": sorted(names), "format": FORMAT, "input_activations": None,
                                          "output_activations": None,
@@ -79,7 +86,6 @@ def quantized_base_tensors(modules: dict) -> tuple[dict[str, torch.Tensor], dict
                           for i, ((bits, group), names) in enumerate(sorted(groups.items()))},
         "ignore": [],
     }
-    return state, config
 
 
 def write_config(folder, quantization_config: dict) -> None:

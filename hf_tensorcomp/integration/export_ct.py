@@ -33,7 +33,8 @@ import warnings
 
 import torch
 
-FORMAT = "pack-quantized"
+from .compressed_tensors import FORMAT, quantization_config
+
 WIDTHS = {"vllm": (4, 8), "any": (1, 2, 3, 4, 5, 6, 7, 8)}
 
 
@@ -116,16 +117,7 @@ def quantized_tensors(qlr: dict, widths: str, scale_dtype: torch.dtype) -> tuple
             report.append(f"{bits}-bit: {n} matrices written as {width}-bit codes ({widths!r} holds no {bits}-bit "
                           f"scheme): codes {numel * width / 8:,.0f} bytes instead of {numel * bits / 8:,.0f}")
             warnings.warn(f"export: {report[-1]}", stacklevel=4)
-    config = {
-        "quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
-        "config_groups": {f"group_{i}": {"targets": sorted(names), "format": FORMAT, "input_activations": None,
-                                         "output_activations": None,
-                                         "weights": {"num_bits": bits, "type": "int", "symmetric": False,
-                                                     "strategy": "group", "group_size": group, "dynamic": False,
-                                                     "observer": "minmax"}}
-                          for i, ((bits, group), names) in enumerate(sorted(groups.items()))},
-        "ignore": [],
-    }
+    config = quantization_config(groups)
     return state, config, report
 
 
