@@ -349,6 +349,21 @@ def test_llama_cpp_semantics_from_the_files_give_our_logits(exported, case):
     assert diff(_forward(reader, None, ids)) > 5 * TOLERANCE[case]
 
 
+def test_a_bfloat16_model_keeps_its_dtype_outside_the_codes(llama_dirs, tmp_path):
+    """Codes as blocks (scales are float16 whatever the model's dtype), tables in BF16, norms in F32, lora in BF16."""
+    cfg = TensorCompressionConfig(method="qlr", bits=4, rank=2, group_size=32, rotate=False, calibration=calib(),
+                                  progress=False)
+    m = AutoModelForCausalLM.from_pretrained(llama_dirs["tied"], quantization_config=cfg, dtype=torch.bfloat16).eval()
+    report = hf_tensorcomp.export(m, tmp_path / "bf16", format="gguf")
+    stored = _tensors(gguf.GGUFReader(report["base"]))
+    assert stored["blk.0.attn_v.weight"].tensor_type.name == "Q4_1"
+    assert stored["token_embd.weight"].tensor_type.name == "BF16" and stored["output_norm.weight"].tensor_type.name == "F32"
+    assert np.array_equal(_dequantized(stored["token_embd.weight"]), m.get_input_embeddings().weight.detach().float().numpy())
+    lora = _tensors(gguf.GGUFReader(report["adapter"]))["blk.1.ffn_down.weight.lora_b"]
+    assert lora.tensor_type.name == "BF16"
+    assert np.array_equal(_dequantized(lora), m.get_submodule("model.layers.1.mlp.down_proj").lora_B.detach().float().numpy())
+
+
 def test_refusals_name_the_field_and_nothing_is_written(llama_dirs, tiny_dirs, tmp_path):
     out = tmp_path / "out"
     rotated = _qlr(llama_dirs["tied"], bits=4, rank=2, rotate=True)
