@@ -364,6 +364,18 @@ def test_a_bfloat16_model_keeps_its_dtype_outside_the_codes(llama_dirs, tmp_path
     assert np.array_equal(_dequantized(lora), m.get_submodule("model.layers.1.mlp.down_proj").lora_B.detach().float().numpy())
 
 
+def test_pre_tokenizer_names_llama_cpp_knows():
+    from hf_tensorcomp.integration.export_gguf import pre_tokenizer_name
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    assert pre_tokenizer_name(byte_level) == "gpt2"
+    assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, byte_level]}) == "smollm"
+    assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": False}, byte_level]}) is None
+    assert pre_tokenizer_name({**byte_level, "use_regex": False}) is None and pre_tokenizer_name(None) is None
+
+
 def test_refusals_name_the_field_and_nothing_is_written(llama_dirs, tiny_dirs, tmp_path):
     out = tmp_path / "out"
     rotated = _qlr(llama_dirs["tied"], bits=4, rank=2, rotate=True)
