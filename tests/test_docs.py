@@ -30,6 +30,9 @@ LANGS = ("python", "bash")
 NO_RUN = {
     ("docs/serving.md", "vllm serve out/smollm2-ct/base --enable-lora --lora-modules correction=out/smollm2-ct/adapter --max-lora-rank 64"):
         "vLLM needs a GPU",
+    ("docs/serving.md", "import hf_tensorcomp"): "the docs' stand-in model has a word-level tokenizer; GGUF holds BPE",
+    ("docs/serving.md", 'llama-cli -m out/smollm2-gguf/model.gguf --lora out/smollm2-gguf/adapter.gguf -p "The capital of '
+                        'France is" -n 32'): "llama.cpp is not installed here",
     ("README.md", 'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[quanto]" && '
                   ".venv/bin/hf-tensorcomp compress --recipe recipes/qlr_smollm2.json --out out/smollm2-qlr"):
         "installs packages and compresses the real SmolLM2",
