@@ -710,3 +710,48 @@ def test_recipe_out_is_honoured_and_the_flag_wins(tiny_with_tokenizer, tmp_path)
                                  "max_eval_tokens": 64, "context_length": 32, "stride": 32, "text": "wikipedia"}))
     assert cli(["sweep", str(tiny_with_tokenizer), "--recipe", str(sweep)]) == 0
     assert (tmp_path / "table.json").exists()
+
+
+# ---------------------------------------------------------------- fourth round: the latent cache, checkpoints, links
+def _latent(tiny_dirs, arch="llama", **kw):
+    cfg = TensorCompressionConfig(method="latent_kv", **{"rank": 1.0, "bits": 16, "whiten": False, **kw})
+    return AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], quantization_config=cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_assisted_decoding_crops_the_latent_cache_exactly(tiny_dirs, arch):
+    """Row 1: assisted decoding, prompt lookup and ``crop`` raised AttributeError ('LatentKVLayer' has no 'crop').
+    Now the newest tokens' latents are removed: at bits=16 what a DynamicCache gives; a crop reaching codes, or a
+    positive crop (as transformers' own layers), one line."""
+    from transformers import DynamicCache
+
+    from hf_tensorcomp.methods.latent_kv import LatentKVCache
+
+    m, d = _latent(tiny_dirs, arch, group=8), dense(tiny_dirs, arch)
+    x = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = d.generate(x, **kw)
+    assert torch.equal(m.generate(x, assistant_model=d, **kw), want)
+    assert torch.equal(m.generate(x, prompt_lookup_num_tokens=3, **kw), want)
+    assert torch.equal(d.generate(x, assistant_model=_latent(tiny_dirs, arch, group=8), **kw), want)  # as the assistant
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
+    logits = []
+    for model, cache in ((m, LatentKVCache(m)), (d, DynamicCache(config=d.config))):
+        cache.activate_past_recording()  # (transformers' sliding layers keep what a crop needs only when told)
+        with torch.no_grad():
+            model(ids[:, :14], past_key_values=cache, use_cache=True)
+            cache.crop(-4)  # the last 4 of the 14 forgotten: the 6 new tokens follow the first 10
+            assert cache.get_seq_length() == 10
+            logits.append(model(ids[:, 14:], past_key_values=cache, use_cache=True).logits)
+    assert (logits[0] - logits[1]).abs().max() < 1e-5
+    with pytest.raises(ValueError, match=r"^LatentKVCache\.crop: got 5; allowed: a negative int"):
+        LatentKVCache(m).crop(5)
+    q = _latent(tiny_dirs, arch, bits=4, group=8, window=4, sink=0)
+    cache = LatentKVCache(q)
+    with torch.no_grad():
+        q(ids, past_key_values=cache, use_cache=True)  # 20 tokens: 16 as codes, the newest 4 in 16 bits
+    cache.crop(-2)
+    with pytest.raises(ValueError, match=r"^LatentKVCache\.crop: removing 4 tokens reaches tokens already held as "
+                                         r"codes \(the newest 2 are in 16 bits\)"):
+        cache.crop(-4)
+    assert cache.get_seq_length() == 18

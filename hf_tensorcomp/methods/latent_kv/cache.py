@@ -211,6 +211,22 @@ class _Latents:
         return ("codes", [p.to(dtype) for p in _planes(self.codes, self.bits, self.group)], self.scale.to(dtype),
                 self.zero.to(dtype))
 
+    def dense_end(self) -> int:
+        """How many of the newest tokens are held in 16 bits (the tail; the head too while nothing is quantized):
+        those `crop` can forget."""
+        tail = 0 if self.tail is None else self.tail.shape[1]
+        return tail + (self.n_head if self.n_quantized + self.n_chunked == 0 else 0)
+
+    def crop(self, keep: int) -> None:
+        """Forget all but the first `keep` tokens held: the newest ones, as if they had never been appended (the
+        caller checked `dense_end`)."""
+        n = len(self) - keep
+        tail = 0 if self.tail is None else self.tail.shape[1]
+        if n > tail:
+            self.head = self.head[:, :self.n_head - (n - tail)] if self.n_head > n - tail else None
+        if n > 0 and self.tail is not None:
+            self.tail = self.tail[:, :max(tail - n, 0)]
+
     def drop(self, tokens: int) -> int:
         """Forget up to `tokens` of the oldest tokens, in whole pieces (the head, quantized groups; unquantized:
         whole groups of the tail); returns how many were forgotten."""
@@ -483,7 +499,7 @@ class LatentKVLayer(CacheLayerMixin):
     """One decoder layer's latents (see the module docstring)."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, positions: _Positions, bits: int = 4, group: int = 64, window: int = 64, sink: int = 16,
                  grid: str = "search", key_bits: int | None = None, sliding_window: int | None = None,
@@ -546,6 +562,35 @@ class LatentKVLayer(CacheLayerMixin):
             done = self.k.drop(n)
             self.v.drop(n)  # the same pieces: both streams hold the same tokens alike
             self.offset += done
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise ValueError, in one line, where `crop` cannot forget the newest ``-tokens_to_remove`` tokens exactly."""
+        if tokens_to_remove > 0:  # transformers' dynamic layers refuse it alike
+            raise ValueError(f"LatentKVCache.crop: got {tokens_to_remove}; allowed: a negative int, the number of "
+                             "newest tokens to remove (crop(-n)), or 0")
+        n = min(-tokens_to_remove, self.seen)
+        if not self.is_initialized or n == 0:
+            return
+        dense = min(self.k.dense_end(), self.v.dense_end())
+        if n > dense:
+            raise ValueError(f"LatentKVCache.crop: removing {n} tokens reaches tokens already held as codes (the newest "
+                             f"{dense} are in 16 bits); allowed: at most the window's tokens (window={self.window}), or "
+                             "bits=16")
+        if self.is_sliding and self.offset > max(self.seen - n - self.sliding_window + 1, 0):
+            raise ValueError(f"LatentKVCache.crop: removing {n} tokens would need tokens this sliding-window layer "
+                             f"already forgot (the first {self.offset}); allowed: crops before the window "
+                             f"({self.sliding_window} tokens) moves past a group (group={self.group})")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the newest ``-tokens_to_remove`` tokens (assisted decoding's rejected drafts): exactly as if they
+        had never been added, where they are held in 16 bits (`check_crop`)."""
+        self.check_crop(tokens_to_remove)
+        n = min(-tokens_to_remove, self.seen)
+        if not self.is_initialized or n == 0:
+            return
+        self.seen -= n
+        self.k.crop(self.held())
+        self.v.crop(self.held())
 
     def token_positions(self) -> torch.Tensor:
         return self.positions.ids[:, self.offset: self.seen]
@@ -635,6 +680,17 @@ class LatentKVCache(Cache):
     def reset(self):
         self.token_positions.ids = None
         super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the newest ``-tokens_to_remove`` tokens of every layer and their positions (assisted decoding,
+        prompt lookup); refused before any layer changes where a latent layer cannot (`LatentKVLayer.check_crop`)."""
+        for layer in self.layers:
+            if isinstance(layer, LatentKVLayer):
+                layer.check_crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
+        ids = self.token_positions.ids
+        if ids is not None and tokens_to_remove < 0:
+            self.token_positions.ids = ids[:, :max(ids.shape[1] + tokens_to_remove, 0)]
 
     def nbytes(self) -> int:
         """Bytes held: every layer's codes, scales, zero points and full-precision latents (dense layers' keys and
