@@ -635,24 +635,22 @@ class LatentKVCache(Cache):
     def __init__(self, model, bits: int | None = None, group: int | None = None, window: int | None = None,
                  sink: int | None = None, grid: str | None = None, key_bits: int | None = None,
                  widths: str | None = None):
-        cfg = model.config.get_text_config(decoder=True)
         found = latent_layers(model)
         given = {"bits": bits, "group": group, "window": window, "sink": sink, "grid": grid, "key_bits": key_bits,
                  "widths": widths}
         self.settings = {k: v if given[k] is None else given[k] for k, v in latent_settings(model).items()}
         if bits is not None and key_bits is None:  # one width given: both streams at it
             self.settings["key_bits"] = bits
-        _check_settings(self.settings)
+        _check_settings(self.settings, "LatentKVCache")
         self.token_positions = _Positions()
-        types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-        latent_sliding = {i in found for i, kind in enumerate(types) if kind == "sliding_attention"}
+        self.layout = model_layout(model)  # what the cache is checked against where it is used (`check`)
+        latent_sliding = {latent is not None for _, sliding, latent in self.layout if sliding is not None}
         if len(latent_sliding) > 1:  # transformers makes one mask for all sliding layers, from the first one's sizes
             raise ValueError("LatentKVCache: some sliding-window layers have latent projections and others not; "
                              "allowed: latent_kv on all of a model's sliding-window layers or on none (layers=)")
         layers = []
-        for i, kind in enumerate(types):
-            sliding = getattr(cfg, "sliding_window", None) if kind == "sliding_attention" else None
-            if i in found:
+        for i, (_, sliding, latent) in enumerate(self.layout):
+            if latent is not None:
                 layers.append(LatentKVLayer(self.token_positions, sliding_window=sliding, **self.settings,
                                             rotated_keys=isinstance(found[i].k_proj, LatentKeyLinear)))
             elif sliding is not None:
@@ -660,6 +658,23 @@ class LatentKVCache(Cache):
             else:
                 layers.append(DynamicLayer())
         super().__init__(layers=layers)
+
+    def check(self, model) -> None:
+        """Raise ValueError, in one line, if this cache was built for a model of other layers than `model` (their
+        count, attention kinds and windows, KV heads, head size, latent ranks): it would attend with another
+        model's windows, or fail on its shapes. The model's forward calls it (`attention.enable`)."""
+        if self.__dict__.get("_checked") == id(model):
+            return
+        mine, theirs = self.layout, model.__dict__.get("_latent_layout") or model_layout(model)
+        if mine != theirs:
+            if len(mine) != len(theirs):
+                what = f"{len(mine)} decoder layers, this model has {len(theirs)}"
+            else:
+                i = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+                what = f"layer {i}: {_describe(mine[i])}; this model's: {_describe(theirs[i])}"
+            raise ValueError(f"LatentKVCache: built for another model ({what}); allowed: a cache made for the model it "
+                             "is used with, LatentKVCache(model, ...)")
+        self.__dict__["_checked"] = id(model)
 
     def _positions_too(self, fn) -> None:
         if self.token_positions.ids is not None:
@@ -714,6 +729,31 @@ def dense_cache_bytes(config, tokens: int, batch: int = 1, dtype=torch.bfloat16)
                for kind in types)
 
 
+def model_layout(model: nn.Module) -> list[tuple]:
+    """Per decoder layer what its cache layer is built from: (attention kind, sliding window or None, and for
+    a layer with latent projections (key form, KV heads, head size, key ranks, value ranks), else None)."""
+    cfg = model.config.get_text_config(decoder=True)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    found = latent_layers(model)
+    out = []
+    for i, kind in enumerate(types):
+        sliding = getattr(cfg, "sliding_window", None) if kind == "sliding_attention" else None
+        attn = found.get(i)
+        latent = None if attn is None else (type(attn.k_proj).__name__, cfg.num_key_value_heads, head_dim(cfg),
+                                            tuple(attn.k_proj.ranks), tuple(attn.v_proj.ranks))
+        out.append((kind, sliding, latent))
+    return out
+
+
+def _describe(entry: tuple) -> str:
+    kind, sliding, latent = entry
+    said = kind + ("" if sliding is None else f" (window {sliding})")
+    if latent is None:
+        return said + ", not latent"
+    keys, heads, dim, k_ranks, v_ranks = latent
+    return f"{said}, {heads} KV heads of {dim}, key ranks {list(k_ranks)}, value ranks {list(v_ranks)} ({keys})"
+
+
 def latent_layers(model: nn.Module) -> dict[int, nn.Module]:
     """{decoder layer index: its attention module} of the layers whose k_proj and v_proj are both latent."""
     _, layer_list = find_decoder_layers(model)
@@ -745,8 +785,12 @@ def latent_settings(model: nn.Module) -> dict:
 BITS_ALLOWED = BITS + (16,)  # the quantizer's widths, and 16: no codes
 
 
-def _check_settings(s: dict) -> None:
-    from ...validation import fail, is_int, is_number
+def _check_settings(s: dict, who: str = "TensorCompressionConfig") -> None:
+    """Raise ValueError naming the first bad setting of `s`, as `who`'s field (the config's, or the cache's own)."""
+    from ...validation import fail as named_fail, is_int, is_number
+
+    def fail(field, got, allowed):
+        named_fail(field, got, allowed, who)
 
     if s["widths"] not in WIDTHS:
         fail("widths", s["widths"], "'stream' (every latent channel of a stream at its bits) | 'prompt' (a width per "
