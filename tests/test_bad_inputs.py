@@ -838,3 +838,68 @@ def test_torch_compile_of_a_latent_model_with_codes_runs_in_bounded_time(tiny_di
         pytest.fail("torch.compile of a latent model with 4-bit codes did not finish within 300 s")
     assert run.returncode == 0, run.stderr[-3000:]
     assert float(run.stdout.split("max difference")[1]) < 1e-4, run.stdout
+
+
+def test_a_truncated_compressed_checkpoint_names_the_file(tiny_dirs, tmp_path):
+    """Row 2: 500 bytes cut off a latent_kv checkpoint's model.safetensors gave a raw SafetensorError ('incomplete
+    metadata') from the header check, naming no file. Now one line naming it and that it is truncated."""
+    _latent(tiny_dirs).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-500])
+    with pytest.raises(ValueError, match=r"^from_pretrained: .*model\.safetensors: .*the file is truncated; allowed: a "
+                                         r"whole safetensors file"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_cli_compress_of_a_truncated_shard_is_one_line(tiny_with_tokenizer, tmp_path, capsys):
+    """Row 3: CLI compress (no --stream) of a sharded source whose shard is truncated: a 23-line traceback, exit 1
+    (as the API: from_pretrained with a quantization_config). Now one line naming the shard, exit 2."""
+    src = tmp_path / "src"
+    shard = _untied_sharded(tiny_with_tokenizer, src)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    before = _tree(tmp_path)
+    argv = ["compress", str(src), "--rank", "4", "--targets", "mlp.*", "--no-eval", "--quiet", "--out", str(tmp_path / "out")]
+    capsys.readouterr()
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-tensorcomp: error: from_pretrained: ") and "\n" not in err, err
+    assert shard.name in err and "the file is truncated" in err, err
+    assert _tree(tmp_path) == before
+
+
+def test_qlr_checkpoint_float_bits_refused_naming_the_field(tiny_dirs, tmp_path):
+    """Row 4: a qlr checkpoint whose config.json set a module's quant.weight.bits to 4.0 loaded until a raw TypeError
+    ('empty(): argument size must be tuple of ints, not float'). Refused naming quant.weight.bits and the allowed
+    widths (group_size 64.0 likewise names quant.weight.group_size)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+        method="qlr", rank=4, group_size=16, calibration=calib(), progress=False, targets=["mlp.*"]))
+    model.save_pretrained(tmp_path)
+    saved = (tmp_path / "config.json").read_text()
+    for field, value, allowed in (("bits", 4.0, r"2 \| 3 \| 4"), ("group_size", 64.0, r"an int in")):
+        cfg = json.loads(saved)
+        cfg["quantization_config"]["compressed_modules"]["model.layers.0.mlp.up_proj"]["quant"]["weight"][field] = value
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=rf"^compressed_modules\['model\.layers\.0\.mlp\.up_proj'\]\.quant\.weight\."
+                                             rf"{field}: got {value}; allowed: {allowed}"):
+            AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("method, module", [("latent_kv", "self_attn.k_proj"), ("latent_kv", "self_attn.v_proj"),
+                                            ("qlr", "mlp.up_proj")])
+def test_a_module_deleted_from_compressed_modules_is_refused(tiny_dirs, tmp_path, method, module):
+    """Row 5: deleting k_proj's entry from compressed_modules loaded silently as another model (its factor tensors
+    ignored, decoding off by 2.9e-3); v_proj's or a qlr entry: transformers' multi-line size-mismatch error. Tensors
+    of the checkpoint that belong to no listed module are refused in one line before loading."""
+    if method == "latent_kv":
+        model = _latent(tiny_dirs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(
+            method="qlr", rank=4, group_size=16, calibration=calib(), progress=False, targets=["mlp.*"]))
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["quantization_config"]["compressed_modules"][f"model.layers.0.{module}"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"^model\.layers\.0\.{module}\.\w+ \[.*\]: in the checkpoint, but "
+                                         rf"compressed_modules lists no 'model\.layers\.0\.{module}', which loads as a "
+                                         r"dense Linear \(weight \[.*\]\); the config\.json and the weights do not belong"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
