@@ -903,3 +903,56 @@ def test_a_module_deleted_from_compressed_modules_is_refused(tiny_dirs, tmp_path
                                          rf"compressed_modules lists no 'model\.layers\.0\.{module}', which loads as a "
                                          r"dense Linear \(weight \[.*\]\); the config\.json and the weights do not belong"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+_THROUGH_LINKS = """
+import sys
+from pathlib import Path
+from transformers import AutoModelForCausalLM
+from hf_tensorcomp import TensorCompressionConfig, compress_checkpoint
+src, tmp = sys.argv[1], Path(sys.argv[2])
+cfg = lambda: TensorCompressionConfig(method="laser", rank=4, targets=["mlp.*"], progress=False)
+for kind in ("empty", "missing"):
+    for writer in ("save", "stream"):
+        real, link = tmp / f"real-{kind}-{writer}", tmp / f"link-{kind}-{writer}"
+        if kind == "empty":
+            real.mkdir()
+        link.symlink_to(real)
+        if writer == "save":
+            AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg()).save_pretrained(link)
+        else:
+            compress_checkpoint(src, link, cfg())
+"""
+
+
+def test_an_output_path_that_is_a_link_is_written_where_it_points(tiny_with_tokenizer, tmp_path):
+    """Row 6: ``ln -s real link`` (real empty or missing), then save_pretrained("link"), compress_checkpoint(...,
+    "link") or CLI --out link: NotADirectoryError once all the work was done (atomic_dir called rmdir / rename on the
+    link). The link is resolved first: the output is written atomically into its target and the link kept. In a
+    child process, as a user runs it."""
+    import subprocess
+    import sys
+
+    work = tmp_path / "work"
+    work.mkdir()
+    try:
+        run = subprocess.run([sys.executable, "-c", _THROUGH_LINKS, str(tiny_with_tokenizer), str(work)],
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    except subprocess.TimeoutExpired:
+        pytest.fail("writing through links did not finish within 300 s")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for kind in ("empty", "missing"):
+        real = work / f"real-cli-{kind}"
+        if kind == "empty":
+            real.mkdir()
+        (work / f"link-cli-{kind}").symlink_to(real)
+        r = _run_cli(_CHILD, ["compress", tiny_with_tokenizer, "--rank", "4", "--targets", "mlp.*", "--no-eval", "--quiet",
+                              "--out", work / f"link-cli-{kind}"], work)
+        assert r.returncode == 0, r.stderr[-3000:]
+    links = sorted(p.name for p in work.iterdir() if p.name.startswith("link"))
+    assert len(links) == 6 and all((work / n).is_symlink() for n in links)  # the links kept
+    for name in links:
+        real = work / name.replace("link", "real", 1)
+        assert not real.is_symlink() and (real / "config.json").is_file(), name
+        AutoModelForCausalLM.from_pretrained(work / name)
+    assert not [p for p in work.iterdir() if ".hf_tensorcomp-tmp-" in p.name]  # no temporary sibling left
