@@ -655,6 +655,12 @@ def main(argv=None) -> int:
     except ValueError as err:  # configuration errors: one clear line, nothing written
         print(f"hf-tensorcomp: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # ranks that disagree, stop or never join (distributed.DistributedError): one line
+        dist = sys.modules.get("hf_tensorcomp.distributed")  # (this module imports nothing beyond the standard library)
+        if dist is None or not isinstance(err, dist.DistributedError):
+            raise
+        print(f"hf-tensorcomp: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     except (OSError, MemoryError) as err:  # expected failures (a missing file, a read-only or full disk, no memory): one line
         what = f"{err.filename}: {err.strerror}" if isinstance(err, OSError) and err.filename and err.strerror else \
             (str(err) or type(err).__name__)

@@ -142,7 +142,7 @@ def group() -> Group | None:
     if not dist.is_initialized():
         if not _launched():
             return None
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        _join()
     world = dist.get_world_size()
     if world < 2:
         return None
@@ -150,6 +150,37 @@ def group() -> Group | None:
     if _STATE.get("key") != key:  # a new group (a test may start several): a fresh round robin
         _STATE.update(key=key, group=Group(dist.get_rank(), world))
     return _STATE["group"]
+
+
+def _join() -> None:
+    """Join the launcher's process group (``env://``), waiting at most ``HF_TENSORCOMP_JOIN_TIMEOUT`` seconds (default
+    300) for every rank to arrive: a rank that never comes (it was launched with ``HF_TENSORCOMP_DISTRIBUTED=0``, or
+    died before) stops the others with a `DistributedError` naming it, instead of a wait without end."""
+    import datetime
+
+    import torch.distributed as dist
+
+    seconds = float(os.environ.get("HF_TENSORCOMP_JOIN_TIMEOUT", "300"))
+    timeout = datetime.timedelta(seconds=seconds)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    key = "hf_tensorcomp/joined/{}".format
+    store = None
+    try:
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        store.set(key(rank), "1")
+        store.wait([key(r) for r in range(world)], timeout)
+    except RuntimeError as e:  # the store's timeout (DistStoreError), or its host never came
+        if store is not None:
+            missing = ", ".join(str(r) for r in range(world) if not store.check([key(r)]))
+        else:
+            missing = "0 (the store's host)" if rank else "some of 1.." + str(world - 1)
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise DistributedError(
+            f"hf_tensorcomp distributed: rank(s) {missing} of {world} never joined the process group within {seconds:g} "
+            f"s (HF_TENSORCOMP_JOIN_TIMEOUT; rank {rank} saw: {first}); allowed: every rank launched alike, "
+            "HF_TENSORCOMP_DISTRIBUTED=0 on all of them or on none; nothing was done") from None
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
+                            world_size=world)
 
 
 def is_main() -> bool:

@@ -956,3 +956,40 @@ def test_an_output_path_that_is_a_link_is_written_where_it_points(tiny_with_toke
         assert not real.is_symlink() and (real / "config.json").is_file(), name
         AutoModelForCausalLM.from_pretrained(work / name)
     assert not [p for p in work.iterdir() if ".hf_tensorcomp-tmp-" in p.name]  # no temporary sibling left
+
+
+_ALONE = """
+import os, sys
+if os.environ["RANK"] == sys.argv[1]:
+    os.environ["HF_TENSORCOMP_DISTRIBUTED"] = "0"  # this rank alone opts out
+from hf_tensorcomp.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("alone", ["0", "1"])
+def test_a_rank_launched_without_distribution_does_not_hang_the_others(tiny_with_tokenizer, tmp_path, alone):
+    """Row 7: ``torchrun --nproc-per-node 2`` with HF_TENSORCOMP_DISTRIBUTED=0 on one rank only: that rank wrote
+    alone, the other waited in the process-group join for ever. The join is bounded (HF_TENSORCOMP_JOIN_TIMEOUT):
+    the rank that waits stops in one line naming the rank that never came, exit 2. In a child process."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "alone.py"
+    script.write_text(_ALONE)
+    argv = ["compress", str(tiny_with_tokenizer), "--rank", "4", "--targets", "mlp.*", "--no-eval", "--quiet", "--out",
+            str(tmp_path / "out")]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(HERE.parent),
+           "HF_TENSORCOMP_JOIN_TIMEOUT": "10"}
+    try:
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script), alone, *argv], capture_output=True, text=True, timeout=240, env=env,
+                             cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a rank waited for one launched with HF_TENSORCOMP_DISTRIBUTED=0 for 240 s")
+    waiting = "1" if alone == "0" else "0"
+    said = [line for line in run.stderr.splitlines() if "never joined" in line]
+    assert said and said[0].startswith(f"hf-tensorcomp: error: hf_tensorcomp distributed: rank(s) {alone} of 2 never "
+                                       "joined the process group within 10 s"), run.stderr[-3000:]
+    assert f"rank {waiting} saw" in said[0] and "HF_TENSORCOMP_DISTRIBUTED=0 on all of them or on none" in said[0]
+    assert "Traceback" not in run.stderr.split("never joined")[0], run.stderr[-3000:]
