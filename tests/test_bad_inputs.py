@@ -993,3 +993,29 @@ def test_a_rank_launched_without_distribution_does_not_hang_the_others(tiny_with
                                        "joined the process group within 10 s"), run.stderr[-3000:]
     assert f"rank {waiting} saw" in said[0] and "HF_TENSORCOMP_DISTRIBUTED=0 on all of them or on none" in said[0]
     assert "Traceback" not in run.stderr.split("never joined")[0], run.stderr[-3000:]
+
+
+# the CLI on a disk that fills up: every copy (os.sendfile, which shutil.copy2 uses) and every write into the output
+# folder fails with ENOSPC, as on a full disk
+_FULL_DISK = """
+import errno, os, sys
+def full(*a, **k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+os.sendfile = full
+""" + _CHILD
+
+
+def test_a_full_disk_names_the_output_being_written(tiny_with_tokenizer, tmp_path):
+    """Row 10: ``--stream --out`` on a full disk said "cli/src/generation_config.json: No space left on device": the
+    source file (shutil's copy names both, the source first). Now the output being written, under its final name."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in Path(tiny_with_tokenizer).iterdir():
+        (src / p.name).write_bytes(p.read_bytes())
+    r = _run_cli(_FULL_DISK, ["compress", src, "--stream", "--rank", "4", "--targets", "mlp.*", "--quiet", "--out",
+                              tmp_path / "out"], tmp_path)
+    err = [line for line in r.stderr.strip().splitlines() if line.strip() and "it/s]" not in line]
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert err[0].startswith(f"hf-tensorcomp: error: {tmp_path / 'out'}/") and ": No space left on device" in err[0], err
+    assert str(src) not in err[0] and ".hf_tensorcomp-tmp-" not in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing left behind

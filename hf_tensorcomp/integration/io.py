@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -131,6 +132,12 @@ def atomic_dir(target, overwrite: bool = True):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def final_path(path) -> str:
+    """`path` with each temporary sibling of `atomic_dir` / `atomic_file` (``.NAME.hf_tensorcomp-tmp-PID-XXXX``) named
+    as what it is renamed to (NAME): where an output being written will be, for messages."""
+    return re.sub(rf"(^|/)\.([^/]+?){re.escape(TAG)}\d+-[0-9a-f]+(?=/|$)", r"\1\2", str(path))
 
 
 def refuse_overlap(out, inputs, who: str, what: str = "the input") -> None:
