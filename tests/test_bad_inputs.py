@@ -1,8 +1,8 @@
 """Bad inputs, faults and unusual sequences: what each one does, at a glance.
 
 ``GUARDED`` lists every case the project guards against, with the test that holds it; the first block
-was found in the first reliability round, the second in the second (its tests live below, each written
-to reproduce the failure before it was fixed). ``test_every_guard_has_its_test`` keeps the table honest.
+was found in the first reliability round, the second in the second, and so on to the fourth (their tests live
+below, each written to reproduce the failure before it was fixed). ``test_every_guard_has_its_test`` keeps the table honest.
 """
 
 from __future__ import annotations
@@ -90,6 +90,19 @@ GUARDED = [
     ("ranks running different hf_tensorcomp versions (compress_checkpoint, heal)", "one line on every rank naming each rank's version, before any work; nothing written", "test_distributed.py::test_mismatched_library_versions_refused_on_every_rank_before_any_work"),
     ("latent_kv settings out of range (kv_bytes, bits, key_bits, grid, group, window, rank, head_groups; rank with kv_bytes)", "the field named, when the config is built", "test_latent_kv.py::test_bad_settings_name_the_field"),
     ("latent_kv rank above a group's rows, head_groups not dividing the KV heads, k_proj without v_proj, kv_bytes below rank 1", "refused before weights load, naming the field and the bound", "test_latent_kv.py::test_bad_settings_for_the_model_refused_before_weights_load"),
+    # fourth round
+    ("assisted decoding, prompt lookup or crop on a latent_kv model (also as the assistant)", "the newest tokens' latents removed, exact at 16 bits; a crop reaching codes, or a positive one, one line (was: AttributeError: 'LatentKVLayer' has no 'crop')", "test_bad_inputs.py::test_assisted_decoding_crops_the_latent_cache_exactly"),
+    ("a latent_kv checkpoint with 500 bytes cut off model.safetensors", "one line naming the file and that it is truncated (was: a raw SafetensorError naming no file)", "test_bad_inputs.py::test_a_truncated_compressed_checkpoint_names_the_file"),
+    ("CLI compress (no --stream) of a sharded source with a truncated shard", "one line naming the shard, exit 2 (was: a 23-line traceback, exit 1)", "test_bad_inputs.py::test_cli_compress_of_a_truncated_shard_is_one_line"),
+    ("a qlr checkpoint whose config sets quant.weight.bits to 4.0 (group_size to 64.0)", "refused naming quant.weight.bits and the allowed widths (was: a TypeError at load)", "test_bad_inputs.py::test_qlr_checkpoint_float_bits_refused_naming_the_field"),
+    ("a module's entry deleted from compressed_modules (latent k_proj, v_proj, a qlr module)", "its tensors refused in one line before loading (was: loaded silently as another model, or transformers' size-mismatch table)", "test_bad_inputs.py::test_a_module_deleted_from_compressed_modules_is_refused"),
+    ("save_pretrained, compress_checkpoint or CLI --out to a link (to an empty folder or to nothing), in a child process", "the link resolved first, the output written atomically where it points, the link kept (was: NotADirectoryError after all the work)", "test_bad_inputs.py::test_an_output_path_that_is_a_link_is_written_where_it_points"),
+    ("torchrun --nproc-per-node 2 with HF_TENSORCOMP_DISTRIBUTED=0 on one rank only, in a child process", "the join bounded (HF_TENSORCOMP_JOIN_TIMEOUT): one line naming the rank that never came, exit 2 (was: a wait for ever)", "test_bad_inputs.py::test_a_rank_launched_without_distribution_does_not_hang_the_others"),
+    ("generate / forward with a LatentKVCache built for another model (Gemma-3's for a Llama, the reverse, other ranks)", "refused in one line naming the first layer that differs (was: silently other outputs, or IndexError)", "test_bad_inputs.py::test_a_cache_built_for_another_model_is_refused"),
+    ("latent_kv on some of Gemma-3's sliding layers (layers=[0])", "refused when the config meets the model, before any weight (was: saved, then generate failed)", "test_bad_inputs.py::test_latent_kv_on_some_sliding_layers_refused_before_any_weight"),
+    ("CLI --stream --out on a full disk", "the message names the output being written, under its final name (was: the source file)", "test_bad_inputs.py::test_a_full_disk_names_the_output_being_written"),
+    ("generate(cache_implementation='static' | 'offloaded' | 'quantized' ...) on a latent_kv model", "refused in one line: it would drop the KV compression (was: a dense cache, silently)", "test_bad_inputs.py::test_a_dense_cache_implementation_on_a_latent_model_is_refused"),
+    ("torch.compile(m.forward) on a latent_kv model with 4-bit codes, in a child process", "the latent attention runs eagerly (a graph break a layer): the eager logits, in bounded time (was: not done in 120 s on 10 tokens)", "test_bad_inputs.py::test_torch_compile_of_a_latent_model_with_codes_runs_in_bounded_time"),
 ]
 
 
