@@ -994,18 +994,21 @@ def test_a_rank_launched_without_distribution_does_not_hang_the_others(tiny_with
             str(tmp_path / "out")]
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(HERE.parent),
            "HF_TENSORCOMP_JOIN_TIMEOUT": "10"}
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            str(script), alone, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env, cwd=tmp_path, start_new_session=True)
     try:
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                              str(script), alone, *argv], capture_output=True, text=True, timeout=240, env=env,
-                             cwd=tmp_path)
+        _, stderr = run.communicate(timeout=240)
     except subprocess.TimeoutExpired:
+        os.killpg(run.pid, 9)  # the launcher and both ranks
+        run.communicate()
         pytest.fail("a rank waited for one launched with HF_TENSORCOMP_DISTRIBUTED=0 for 240 s")
     waiting = "1" if alone == "0" else "0"
-    said = [line for line in run.stderr.splitlines() if "never joined" in line]
+    said = [line for line in stderr.splitlines() if "never joined" in line]
     assert said and said[0].startswith(f"hf-tensorcomp: error: hf_tensorcomp distributed: rank(s) {alone} of 2 never "
-                                       "joined the process group within 10 s"), run.stderr[-3000:]
+                                       "joined the process group within 10 s"), stderr[-3000:]
     assert f"rank {waiting} saw" in said[0] and "HF_TENSORCOMP_DISTRIBUTED=0 on all of them or on none" in said[0]
-    assert "Traceback" not in run.stderr.split("never joined")[0], run.stderr[-3000:]
+    assert "Traceback" not in stderr.split("never joined")[0], stderr[-3000:]
 
 
 # the CLI on a disk that fills up: every copy (os.sendfile, which shutil.copy2 uses) and every write into the output
