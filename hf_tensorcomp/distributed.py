@@ -207,6 +207,20 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+def fields(name: str, obj: Any) -> dict[str, str]:
+    """`obj` as facts for `agree`, one a field (``name.key``, ``name[i].key`` through dicts and lists of dicts): each
+    value as JSON where short, else its `fingerprint`, so that ranks that differ are told which field differs."""
+    if isinstance(obj, dict) and obj:
+        return {k: v for key, value in obj.items() for k, v in fields(f"{name}.{key}", value).items()}
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(x, dict) for x in obj):
+        out = {f"{name} (count)": str(len(obj))}
+        for i, x in enumerate(obj):
+            out.update(fields(f"{name}[{i}]", x))
+        return out
+    text = None if isinstance(obj, torch.Tensor) else json.dumps(obj, sort_keys=True, default=str)
+    return {name: text if text is not None and len(text) <= 60 else fingerprint(obj)}
+
+
 def agree(g: Group | None, what: str, **facts) -> None:
     """Before any work: every rank runs the same library versions and `facts` (digests of the settings, the data);
     else a `DistributedError` on every rank naming what differs, rank by rank."""

@@ -103,6 +103,9 @@ GUARDED = [
     ("CLI --stream --out on a full disk", "the message names the output being written, under its final name (was: the source file)", "test_bad_inputs.py::test_a_full_disk_names_the_output_being_written"),
     ("generate(cache_implementation='static' | 'offloaded' | 'quantized' ...) on a latent_kv model", "refused in one line: it would drop the KV compression (was: a dense cache, silently)", "test_bad_inputs.py::test_a_dense_cache_implementation_on_a_latent_model_is_refused"),
     ("torch.compile(m.forward) on a latent_kv model with 4-bit codes, in a child process", "the latent attention runs eagerly (a graph break a layer): the eager logits, in bounded time (was: not done in 120 s on 10 tokens)", "test_bad_inputs.py::test_torch_compile_of_a_latent_model_with_codes_runs_in_bounded_time"),
+    # found beside the fourth round
+    ("ranks whose configs or healing settings differ", "the field that differs named, with each rank's value (was: two fingerprints)", "test_bad_inputs.py::test_ranks_with_different_settings_are_told_the_field"),
+    ("LatentKVCache(model, bits=1)", "'LatentKVCache.bits: got 1; allowed: ...' (was: prefixed TensorCompressionConfig.)", "test_bad_inputs.py::test_a_cache_built_for_another_model_is_refused"),
 ]
 
 
@@ -1035,3 +1038,21 @@ def test_a_full_disk_names_the_output_being_written(tiny_with_tokenizer, tmp_pat
     assert err[0].startswith(f"hf-tensorcomp: error: {tmp_path / 'out'}/") and ": No space left on device" in err[0], err
     assert str(src) not in err[0] and ".hf_tensorcomp-tmp-" not in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing left behind
+
+
+def test_ranks_with_different_settings_are_told_the_field():
+    """Found beside row 7: ranks whose configs differed were told only two fingerprints ("config: rank 0 3f2a...,
+    rank 1 9bc1..."), not what differs. Each field is a fact of its own now, its value shown where short."""
+    from hf_tensorcomp import distributed
+
+    class TwoRanks:  # the other rank asked for rank=8
+        rank, world = 0, 2
+
+        def gather(self, mine, what):
+            return [mine, {**mine, "config.entries[0].rank": "8"}]
+
+    facts = distributed.fields("config.entries", [e.to_dict() for e in laser().entries])
+    with pytest.raises(distributed.DistributedError, match=r"compress: the ranks differ \(config\.entries\[0\]\.rank: "
+                                                           r"rank 0 4, rank 1 8\); allowed"):
+        distributed.agree(TwoRanks(), "compress", **facts)
+    assert distributed.fields("ids", torch.arange(3)) == {"ids": distributed.fingerprint(torch.arange(3))}
