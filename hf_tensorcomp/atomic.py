@@ -8,6 +8,10 @@ save killed before that step leaves the old folder untouched; its temporary fold
 next write beside it (its process is gone). Two writers racing into one folder each produce a whole folder; with ``overwrite=False``
 the second one fails instead of replacing the first.
 
+An output path that is a symbolic link (to a folder, an empty one, or to nothing yet) is written where the link
+points, atomically as any other, and the link is left as it is: the path is resolved before the temporary
+sibling is made, so the sibling lies beside the link's target and the rename replaces no link.
+
 `hf_tensorcomp.integration.saving.make_save_atomic` routes a model's ``save_pretrained`` through `atomic_dir` (the
 quantizer does it for every model it compresses or reloads). This module needs nothing of the package: the writers
 on every floor (the assets, the methods' side files, the CLI) use it.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -100,7 +105,7 @@ def atomic_dir(target, overwrite: bool = True):
     overwrite: if False and `target` exists and is not empty at the swap, raise FileExistsError
         (checked under the lock, so of two racing writers exactly one succeeds).
     """
-    target = Path(os.path.abspath(target))  # normalises "." and ".." (which a rename cannot target)
+    target = Path(os.path.realpath(target))  # "." and "..", and a link: written where it points (`resolve`)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target}: exists and is not a folder; allowed: a new, empty or model folder")
     parent = target.parent
@@ -128,6 +133,12 @@ def atomic_dir(target, overwrite: bool = True):
         raise
 
 
+def final_path(path) -> str:
+    """`path` with each temporary sibling of `atomic_dir` / `atomic_file` (``.NAME.hf_tensorcomp-tmp-PID-XXXX``) named
+    as what it is renamed to (NAME): where an output being written will be, for messages."""
+    return re.sub(rf"(^|/)\.([^/]+?){re.escape(TAG)}\d+-[0-9a-f]+(?=/|$)", r"\1\2", str(path))
+
+
 def refuse_overlap(out, inputs, who: str, what: str = "the input") -> None:
     """The writers' rule, checked before any work: an output never is, lies inside or holds one of its inputs
     (symbolic links followed). Raises ValueError naming `who` (e.g. ``"compress_checkpoint: out"``) and `what` the
@@ -149,7 +160,7 @@ def atomic_file(path, overwrite: bool = True):
 
     overwrite: if False and `path` exists, raise FileExistsError (before the block runs, and again at the rename).
     """
-    path = Path(os.path.abspath(path))
+    path = Path(os.path.realpath(path))  # a link: the file it points to is replaced, the link kept
     if path.is_dir():
         raise IsADirectoryError(f"{path}: a folder; allowed: a file path")
     if path.exists() and not overwrite:

@@ -169,8 +169,6 @@ def check_checkpoint_tensors(model: nn.Module, names, checkpoint_files) -> None:
     (transformers lists it as MISSING and goes on); an extra tensor under a factored module means the
     config.json and the weights do not belong together. Pickle-based files are refused, never opened.
     """
-    from safetensors import safe_open
-
     files = [str(f) for f in checkpoint_files or []]
     for f in files:
         if not f.endswith(".safetensors"):
@@ -178,11 +176,8 @@ def check_checkpoint_tensors(model: nn.Module, names, checkpoint_files) -> None:
                              "weights are never loaded); re-save it with hf_tensorcomp")
     if not files:
         return
-    stored: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(f, "pt") as h:
-            for k in h.keys():
-                stored[k] = tuple(h.get_slice(k).get_shape())
+    stored = read_headers(files)
+    _check_unlisted(model, names, stored)
     for name in names:
         mod = model.get_submodule(name)
         nested = getattr(mod, "nested", False)  # a module whose tensors sit in its children (e.g. Gated DeltaNet)
@@ -203,6 +198,44 @@ def check_checkpoint_tensors(model: nn.Module, names, checkpoint_files) -> None:
             raise ValueError(f"{extra[0]}: unexpected in the checkpoint (compressed_modules[{name!r}] stores only "
                              f"{sorted(k.rpartition('.')[2] for k in expected)}); the config.json and the weights do not "
                              "belong together")
+
+
+def read_headers(checkpoint_files) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of the checkpoint's safetensors files, each header checked whole and within its file
+    (`shards._header`): a truncated or damaged file is refused in one line naming it, before anything loads."""
+    from pathlib import Path
+
+    from .shards import _header
+
+    stored: dict[str, tuple[int, ...]] = {}
+    for f in checkpoint_files or []:
+        if str(f).endswith(".safetensors"):
+            head, _ = _header(Path(f), "from_pretrained", any_dtype=True)
+            stored.update({k: tuple(t["shape"]) for k, t in head.items()})
+    return stored
+
+
+def _check_unlisted(model: nn.Module, names, stored: dict[str, tuple[int, ...]]) -> None:
+    """Tensors of the checkpoint held by a linear or embedding module that ``compressed_modules`` does not list
+    (it is built dense) must be that dense module's own, at its shapes: a factor tensor there means the config.json
+    lost the module's entry, and the load would ignore it and run another model."""
+    listed = tuple(f"{n}." for n in names)
+    for key in sorted(stored):
+        owner, _, tensor = key.rpartition(".")
+        if key.startswith(listed):
+            continue
+        try:
+            mod = model.get_submodule(owner)
+        except AttributeError:
+            continue
+        if not isinstance(mod, (nn.Linear, nn.Embedding)) or isinstance(mod, FactorizedModule):
+            continue
+        own = {k: tuple(t.shape) for k, t in mod.state_dict().items()}
+        if own.get(tensor) != stored[key]:
+            dense = ", ".join(f"{k} {list(v)}" for k, v in own.items())
+            raise ValueError(f"{key} {list(stored[key])}: in the checkpoint, but compressed_modules lists no {owner!r}, "
+                             f"which loads as a dense {type(mod).__name__} ({dense}); the config.json and the weights do "
+                             "not belong together (was its entry deleted from config.json?)")
 
 
 def checkpoint_identity(config, checkpoint_files) -> dict[str, tuple[int, int, int]]:

@@ -534,9 +534,30 @@ def _apply_recipe(parser: argparse.ArgumentParser, argv) -> None:
             action.required = False
 
 
+def _os_error(err: BaseException, out) -> str:
+    """What failed, for the one line: the file being written (a copy's or a rename's second path, named where it
+    will be rather than by its temporary sibling), else the file read; a write failing on no named file (a full
+    disk): the output, ``--out``."""
+    import errno
+
+    if not isinstance(err, OSError) or not err.strerror:
+        return str(err) or type(err).__name__
+    path = err.filename2 or err.filename
+    if path and ".hf_tensorcomp-tmp-" in str(path):  # (the package is loaded by then: a command was running)
+        from .atomic import final_path
+
+        path = final_path(path)
+    if path:
+        return f"{path}: {err.strerror}"
+    if out is not None and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"--out {out}: {err.strerror}"
+    return str(err)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
+    args = None
     try:
         _apply_recipe(parser, argv)
         args = parser.parse_args(argv)
@@ -544,9 +565,14 @@ def main(argv=None) -> int:
     except ValueError as err:  # configuration errors: one clear line, nothing written
         print(f"hf-tensorcomp: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # ranks that disagree, stop or never join (distributed.DistributedError): one line
+        dist = sys.modules.get("hf_tensorcomp.distributed")  # (this module imports nothing beyond the standard library)
+        if dist is None or not isinstance(err, dist.DistributedError):
+            raise
+        print(f"hf-tensorcomp: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     except (OSError, MemoryError) as err:  # expected failures (a missing file, a read-only or full disk, no memory): one line
-        what = f"{err.filename}: {err.strerror}" if isinstance(err, OSError) and err.filename and err.strerror else \
-            (str(err) or type(err).__name__)
+        what = _os_error(err, getattr(args, "out", None))
         print(f"hf-tensorcomp: error: {' '.join(what.split())}; outputs are only renamed into place when complete, so "
               "none was left half-written", file=sys.stderr)
         return 2

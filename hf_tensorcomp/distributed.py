@@ -142,7 +142,7 @@ def group() -> Group | None:
     if not dist.is_initialized():
         if not _launched():
             return None
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        _join()
     world = dist.get_world_size()
     if world < 2:
         return None
@@ -150,6 +150,37 @@ def group() -> Group | None:
     if _STATE.get("key") != key:  # a new group (a test may start several): a fresh round robin
         _STATE.update(key=key, group=Group(dist.get_rank(), world))
     return _STATE["group"]
+
+
+def _join() -> None:
+    """Join the launcher's process group (``env://``), waiting at most ``HF_TENSORCOMP_JOIN_TIMEOUT`` seconds (default
+    300) for every rank to arrive: a rank that never comes (it was launched with ``HF_TENSORCOMP_DISTRIBUTED=0``, or
+    died before) stops the others with a `DistributedError` naming it, instead of a wait without end."""
+    import datetime
+
+    import torch.distributed as dist
+
+    seconds = float(os.environ.get("HF_TENSORCOMP_JOIN_TIMEOUT", "300"))
+    timeout = datetime.timedelta(seconds=seconds)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    key = "hf_tensorcomp/joined/{}".format
+    store = None
+    try:
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        store.set(key(rank), "1")
+        store.wait([key(r) for r in range(world)], timeout)
+    except RuntimeError as e:  # the store's timeout (DistStoreError), or its host never came
+        if store is not None:
+            missing = ", ".join(str(r) for r in range(world) if not store.check([key(r)]))
+        else:
+            missing = "0 (the store's host)" if rank else "some of 1.." + str(world - 1)
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise DistributedError(
+            f"hf_tensorcomp distributed: rank(s) {missing} of {world} never joined the process group within {seconds:g} "
+            f"s (HF_TENSORCOMP_JOIN_TIMEOUT; rank {rank} saw: {first}); allowed: every rank launched alike, "
+            "HF_TENSORCOMP_DISTRIBUTED=0 on all of them or on none; nothing was done") from None
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
+                            world_size=world)
 
 
 def is_main() -> bool:
@@ -174,6 +205,20 @@ def fingerprint(obj: Any) -> str:
     else:
         data = json.dumps(obj, sort_keys=True, default=str).encode()
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def fields(name: str, obj: Any) -> dict[str, str]:
+    """`obj` as facts for `agree`, one a field (``name.key``, ``name[i].key`` through dicts and lists of dicts): each
+    value as JSON where short, else its `fingerprint`, so that ranks that differ are told which field differs."""
+    if isinstance(obj, dict) and obj:
+        return {k: v for key, value in obj.items() for k, v in fields(f"{name}.{key}", value).items()}
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(x, dict) for x in obj):
+        out = {f"{name} (count)": str(len(obj))}
+        for i, x in enumerate(obj):
+            out.update(fields(f"{name}[{i}]", x))
+        return out
+    text = None if isinstance(obj, torch.Tensor) else json.dumps(obj, sort_keys=True, default=str)
+    return {name: text if text is not None and len(text) <= 60 else fingerprint(obj)}
 
 
 def agree(g: Group | None, what: str, **facts) -> None:

@@ -410,7 +410,7 @@ def _train(model, teacher, calibration, o: dict, params: list, start: list, t0: 
            _config) -> dict:
     held, train_ids = heal_windows(model, calibration, tokenizer, o)
     group = distributed.group()  # under torchrun / accelerate launch: end to end, data-parallel
-    distributed.agree(group, "heal", settings=distributed.fingerprint(o), windows=distributed.fingerprint(train_ids))
+    distributed.agree(group, "heal", **distributed.fields("settings", o), windows=distributed.fingerprint(train_ids))
     dense = _teacher(model, teacher)
     model.eval()
     o["precision"] = resolve_precision(o["precision"], next(model.parameters()).device)

@@ -77,7 +77,8 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
     is called exactly once, in order.
     """
     work = plan(model, config) if work is None else work  # 1. plan
-    distributed.agree(distributed.group(), "compress", config=distributed.fingerprint([e.to_dict() for e in config.entries]),
+    distributed.agree(distributed.group(), "compress", **distributed.fields("config.entries",
+                                                                            [e.to_dict() for e in config.entries]),
                       work=distributed.fingerprint(work))
     if config.embedding_bits:
         table_names(model)  # refused before any work when already quantized

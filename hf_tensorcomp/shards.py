@@ -20,15 +20,16 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 HEADER_MAX_BYTES = 100 << 20  # safetensors' own bound on a header's length
 
 
-def _header(path: Path) -> tuple[dict, int]:
+def _header(path: Path, who: str = "compress_checkpoint", any_dtype: bool = False) -> tuple[dict, int]:
     """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts, checked
     before anything is sized by it: the header's length within the file (and safetensors' 100 MB), each
-    entry's dtype known, its shape non-negative integers, its byte span that shape's size and inside the
-    file. A damaged shard is refused in one line naming it (ValueError), never read past its end."""
+    entry's dtype known (`any_dtype`: any, for a reader that is not this one), its shape non-negative integers,
+    its byte span that shape's size and inside the file. A damaged shard is refused in one line naming it
+    (ValueError, starting with `who`), never read past its end."""
 
     def bad(why: str) -> ValueError:
-        return ValueError(f"compress_checkpoint: {path}: {why}; allowed: a whole safetensors file (copy or download "
-                          "the shard again)")
+        return ValueError(f"{who}: {path}: {why}; allowed: a whole safetensors file (copy or download the file "
+                          "again)")
 
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -52,7 +53,7 @@ def _header(path: Path) -> tuple[dict, int]:
         if not (isinstance(t, dict) and isinstance(t.get("shape"), list) and isinstance(t.get("data_offsets"), list)
                 and len(t["data_offsets"]) == 2):
             raise bad(f"the header's entry {name!r} is not {{dtype, shape, data_offsets: [begin, end]}}")
-        if t.get("dtype") not in _DTYPES:
+        if t.get("dtype") not in _DTYPES and not any_dtype:
             raise bad(f"tensor {name!r} has dtype {t.get('dtype')!r}, which this reader does not know (it reads "
                       f"{', '.join(_DTYPES)})")
         numbers = [*t["shape"], *t["data_offsets"]]
@@ -60,11 +61,11 @@ def _header(path: Path) -> tuple[dict, int]:
             raise bad(f"tensor {name!r} has shape {t['shape']} and data_offsets {t['data_offsets']}; allowed: "
                       "non-negative integers")
         begin, end = t["data_offsets"]
-        if end < begin or end - begin != math.prod(t["shape"]) * _DTYPES[t["dtype"]].itemsize:
+        if end < begin or t["dtype"] in _DTYPES and end - begin != math.prod(t["shape"]) * _DTYPES[t["dtype"]].itemsize:
             raise bad(f"tensor {name!r}: data_offsets {t['data_offsets']} span {end - begin} bytes, but "
                       f"{t['dtype']} x {t['shape']} takes {math.prod(t['shape']) * _DTYPES[t['dtype']].itemsize}")
         if end > data:
-            raise bad(f"tensor {name!r} ends at byte {8 + n + end}, past the end of the file ({size} bytes): the shard "
+            raise bad(f"tensor {name!r} ends at byte {8 + n + end}, past the end of the file ({size} bytes): the file "
                       "is truncated")
     return head, 8 + n
 

@@ -10,8 +10,8 @@ import os
 from typing import Any
 
 
-def fail(field: str, got: Any, allowed: str) -> None:
-    raise ValueError(f"TensorCompressionConfig.{field}: got {got!r}; allowed: {allowed}")
+def fail(field: str, got: Any, allowed: str, who: str = "TensorCompressionConfig") -> None:
+    raise ValueError(f"{who}.{field}: got {got!r}; allowed: {allowed}")
 
 
 def is_int(x: Any, lo: int | None = None) -> bool:

@@ -69,6 +69,7 @@ class TensorCompQuantizer(HfQuantizer):
             checks.check_checkpoint_tensors(model, self.quantization_config.compressed_modules, files)
         else:
             self._work = plan(model, self.quantization_config)
+            checks.read_headers(kwargs.get("checkpoint_files"))  # a truncated shard: one line naming it, before loading
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

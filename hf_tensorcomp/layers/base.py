@@ -84,14 +84,25 @@ class FactorizedModule(nn.Module):
                 raise ValueError(f"compressed_modules[{name!r}].{field}: got {value!r}; allowed: {allowed}")
         quant = spec.get("quant", {})
         # group_size sizes the de-quantized groups: bounded as the config bounds it (a group at least a row long
-        # gives one scale per row, so the stored shapes alone could not tell 64 from 2**20)
+        # gives one scale per row, so the stored shapes alone could not tell 64 from 2**20); bits an int (4.0 sizes
+        # nothing)
         lo, hi = GROUP_SIZE_RANGE
-        if not isinstance(quant, dict) or not all(
-                isinstance(q, dict) and set(q) == {"bits", "group_size"} and q["bits"] in BITS
-                and _is_int(q["group_size"], lo) and q["group_size"] <= hi for q in quant.values()):
-            raise ValueError(f"compressed_modules[{name!r}].quant: got {quant!r}; allowed: {{factor name: {{'bits': "
-                             f"{' | '.join(map(str, BITS))}, 'group_size': an int in [{lo}, {hi}]}}}}; the checkpoint's "
-                             "config.json is corrupt or edited")
+        bits, group = " | ".join(map(str, BITS)), f"an int in [{lo}, {hi}]"
+        if not isinstance(quant, dict):
+            quant = {"": quant}
+        for factor, q in quant.items():
+            where = f"compressed_modules[{name!r}].quant" + (f".{factor}" if factor else "")
+            if not isinstance(q, dict) or set(q) != {"bits", "group_size"}:
+                bad = (where, q, f"{{'bits': {bits}, 'group_size': {group}}}" if factor else
+                       f"{{factor name: {{'bits': {bits}, 'group_size': {group}}}}}")
+            elif not (_is_int(q["bits"], 0) and q["bits"] in BITS):
+                bad = (f"{where}.bits", q["bits"], bits)
+            elif not (_is_int(q["group_size"], lo) and q["group_size"] <= hi):
+                bad = (f"{where}.group_size", q["group_size"], group)
+            else:
+                continue
+            raise ValueError(f"{bad[0]}: got {bad[1]!r}; allowed: {bad[2]}; the checkpoint's config.json is corrupt or "
+                             "edited")
         if spec.get("new", False) is not (cls.build_order < 0):
             raise ValueError(f"compressed_modules[{name!r}].new: got {spec.get('new')!r}; allowed: "
                              f"{cls.build_order < 0} for layer {cls.layer_type!r}")

@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import LatentKVLayer, latent_layers
+from .cache import LatentKVCache, LatentKVLayer, latent_layers, model_layout
 from .layer import LatentKeyLinear, LatentKVLinear
 
 NAME = "latent_kv"
@@ -241,7 +241,10 @@ def _attend(module, layer: LatentKVLayer, query: torch.Tensor, mask, scaling) ->
     return out.view(b, heads, q, d).transpose(1, 2).contiguous()
 
 
-AttentionInterface.register(NAME, latent_kv_attention)
+# under torch.compile the attention runs eagerly, a graph break at each layer: tracing the cache's Python (its codes,
+# pieces and kernel layouts) took more than 120 s for 10 tokens with 4-bit codes; the rest of the model compiles
+AttentionInterface.register(NAME, torch.compiler.disable(latent_kv_attention, reason="latent_kv attention: the cache's "
+                                                         "Python runs eagerly"))
 AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
@@ -261,9 +264,13 @@ class _MakeLatentCache:
     def __call__(self, generation_config, model_kwargs, *args, **kwargs):
         from transformers import DynamicCache
 
-        from .cache import LatentKVCache
-
         model = self.model
+        kind = generation_config.cache_implementation
+        if (kind not in (None, "dynamic") and model_kwargs.get("past_key_values") is None
+                and generation_config.use_cache is not False and model.config._attn_implementation == NAME):
+            raise ValueError(f"generate: cache_implementation={kind!r} would hold dense keys and values, dropping "
+                             "latent_kv's KV compression; allowed: None or 'dynamic' (a LatentKVCache), or "
+                             "past_key_values=LatentKVCache(model, ...) for other cache settings")
         result = type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
         made = model_kwargs.get("past_key_values")
         if (type(made) is DynamicCache and not getattr(made, "_is_user_defined", False)
@@ -288,7 +295,17 @@ def enable(model: nn.Module) -> bool:
         attn.__dict__["_latent_rope"] = (rotary, getattr(attn, "layer_type", None) if takes_type else None)
     model.set_attn_implementation(NAME)
     model.__dict__["_prepare_cache_for_generation"] = _MakeLatentCache(model)
+    model.__dict__["_latent_layout"] = model_layout(model)
+    if _check_cache not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(_check_cache, with_kwargs=True)
     return True
+
+
+def _check_cache(model, args, kwargs):
+    """Before each forward of a latent model: a `LatentKVCache` it is handed was built for it (`LatentKVCache.check`)."""
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, LatentKVCache):
+        cache.check(model)
 
 
 def _rotary(model: nn.Module):

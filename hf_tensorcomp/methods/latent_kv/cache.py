@@ -63,7 +63,7 @@ class LatentKVLayer(CacheLayerMixin):
     """One decoder layer's latents (see the module docstring)."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, positions: _Positions, bits: int = 4, group: int = 64, window: int = 64, sink: int = 16,
                  grid: str = "search", key_bits: int | None = None, sliding_window: int | None = None,
@@ -127,6 +127,35 @@ class LatentKVLayer(CacheLayerMixin):
             self.v.drop(n)  # the same pieces: both streams hold the same tokens alike
             self.offset += done
 
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise ValueError, in one line, where `crop` cannot forget the newest ``-tokens_to_remove`` tokens exactly."""
+        if tokens_to_remove > 0:  # transformers' dynamic layers refuse it alike
+            raise ValueError(f"LatentKVCache.crop: got {tokens_to_remove}; allowed: a negative int, the number of "
+                             "newest tokens to remove (crop(-n)), or 0")
+        n = min(-tokens_to_remove, self.seen)
+        if not self.is_initialized or n == 0:
+            return
+        dense = min(self.k.dense_end(), self.v.dense_end())
+        if n > dense:
+            raise ValueError(f"LatentKVCache.crop: removing {n} tokens reaches tokens already held as codes (the newest "
+                             f"{dense} are in 16 bits); allowed: at most the window's tokens (window={self.window}), or "
+                             "bits=16")
+        if self.is_sliding and self.offset > max(self.seen - n - self.sliding_window + 1, 0):
+            raise ValueError(f"LatentKVCache.crop: removing {n} tokens would need tokens this sliding-window layer "
+                             f"already forgot (the first {self.offset}); allowed: crops before the window "
+                             f"({self.sliding_window} tokens) moves past a group (group={self.group})")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the newest ``-tokens_to_remove`` tokens (assisted decoding's rejected drafts): exactly as if they
+        had never been added, where they are held in 16 bits (`check_crop`)."""
+        self.check_crop(tokens_to_remove)
+        n = min(-tokens_to_remove, self.seen)
+        if not self.is_initialized or n == 0:
+            return
+        self.seen -= n
+        self.k.crop(self.held())
+        self.v.crop(self.held())
+
     def token_positions(self) -> torch.Tensor:
         return self.positions.ids[:, self.offset: self.seen]
 
@@ -170,24 +199,22 @@ class LatentKVCache(Cache):
     def __init__(self, model, bits: int | None = None, group: int | None = None, window: int | None = None,
                  sink: int | None = None, grid: str | None = None, key_bits: int | None = None,
                  widths: str | None = None):
-        cfg = model.config.get_text_config(decoder=True)
         found = latent_layers(model)
         given = {"bits": bits, "group": group, "window": window, "sink": sink, "grid": grid, "key_bits": key_bits,
                  "widths": widths}
         self.settings = {k: v if given[k] is None else given[k] for k, v in latent_settings(model).items()}
         if bits is not None and key_bits is None:  # one width given: both streams at it
             self.settings["key_bits"] = bits
-        _check_settings(self.settings)
+        _check_settings(self.settings, "LatentKVCache")
         self.token_positions = _Positions()
-        types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-        latent_sliding = {i in found for i, kind in enumerate(types) if kind == "sliding_attention"}
+        self.layout = model_layout(model)  # what the cache is checked against where it is used (`check`)
+        latent_sliding = {latent is not None for _, sliding, latent in self.layout if sliding is not None}
         if len(latent_sliding) > 1:  # transformers makes one mask for all sliding layers, from the first one's sizes
             raise ValueError("LatentKVCache: some sliding-window layers have latent projections and others not; "
                              "allowed: latent_kv on all of a model's sliding-window layers or on none (layers=)")
         layers = []
-        for i, kind in enumerate(types):
-            sliding = getattr(cfg, "sliding_window", None) if kind == "sliding_attention" else None
-            if i in found:
+        for i, (_, sliding, latent) in enumerate(self.layout):
+            if latent is not None:
                 layers.append(LatentKVLayer(self.token_positions, sliding_window=sliding, **self.settings,
                                             rotated_keys=isinstance(found[i].k_proj, LatentKeyLinear)))
             elif sliding is not None:
@@ -195,6 +222,23 @@ class LatentKVCache(Cache):
             else:
                 layers.append(DynamicLayer())
         super().__init__(layers=layers)
+
+    def check(self, model) -> None:
+        """Raise ValueError, in one line, if this cache was built for a model of other layers than `model` (their
+        count, attention kinds and windows, KV heads, head size, latent ranks): it would attend with another
+        model's windows, or fail on its shapes. The model's forward calls it (`attention.enable`)."""
+        if self.__dict__.get("_checked") == id(model):
+            return
+        mine, theirs = self.layout, model.__dict__.get("_latent_layout") or model_layout(model)
+        if mine != theirs:
+            if len(mine) != len(theirs):
+                what = f"{len(mine)} decoder layers, this model has {len(theirs)}"
+            else:
+                i = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+                what = f"layer {i}: {_describe(mine[i])}; this model's: {_describe(theirs[i])}"
+            raise ValueError(f"LatentKVCache: built for another model ({what}); allowed: a cache made for the model it "
+                             "is used with, LatentKVCache(model, ...)")
+        self.__dict__["_checked"] = id(model)
 
     def _positions_too(self, fn) -> None:
         if self.token_positions.ids is not None:
@@ -216,6 +260,17 @@ class LatentKVCache(Cache):
         self.token_positions.ids = None
         super().reset()
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the newest ``-tokens_to_remove`` tokens of every layer and their positions (assisted decoding,
+        prompt lookup); refused before any layer changes where a latent layer cannot (`LatentKVLayer.check_crop`)."""
+        for layer in self.layers:
+            if isinstance(layer, LatentKVLayer):
+                layer.check_crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
+        ids = self.token_positions.ids
+        if ids is not None and tokens_to_remove < 0:
+            self.token_positions.ids = ids[:, :max(ids.shape[1] + tokens_to_remove, 0)]
+
     def nbytes(self) -> int:
         """Bytes held: every layer's codes, scales, zero points and full-precision latents (dense layers' keys and
         values where a layer is not latent), and the positions."""
@@ -236,6 +291,31 @@ def dense_cache_bytes(config, tokens: int, batch: int = 1, dtype=torch.bfloat16)
     per_token = 2 * cfg.num_key_value_heads * head_dim(cfg) * batch * torch.empty(0, dtype=dtype).element_size()
     return sum(per_token * (min(tokens, cfg.sliding_window - 1) if kind == "sliding_attention" else tokens)
                for kind in types)
+
+
+def model_layout(model: nn.Module) -> list[tuple]:
+    """Per decoder layer what its cache layer is built from: (attention kind, sliding window or None, and for
+    a layer with latent projections (key form, KV heads, head size, key ranks, value ranks), else None)."""
+    cfg = model.config.get_text_config(decoder=True)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    found = latent_layers(model)
+    out = []
+    for i, kind in enumerate(types):
+        sliding = getattr(cfg, "sliding_window", None) if kind == "sliding_attention" else None
+        attn = found.get(i)
+        latent = None if attn is None else (type(attn.k_proj).__name__, cfg.num_key_value_heads, head_dim(cfg),
+                                            tuple(attn.k_proj.ranks), tuple(attn.v_proj.ranks))
+        out.append((kind, sliding, latent))
+    return out
+
+
+def _describe(entry: tuple) -> str:
+    kind, sliding, latent = entry
+    said = kind + ("" if sliding is None else f" (window {sliding})")
+    if latent is None:
+        return said + ", not latent"
+    keys, heads, dim, k_ranks, v_ranks = latent
+    return f"{said}, {heads} KV heads of {dim}, key ranks {list(k_ranks)}, value ranks {list(v_ranks)} ({keys})"
 
 
 def latent_layers(model: nn.Module) -> dict[int, nn.Module]:
@@ -269,8 +349,12 @@ def latent_settings(model: nn.Module) -> dict:
 BITS_ALLOWED = BITS + (16,)  # the quantizer's widths, and 16: no codes
 
 
-def _check_settings(s: dict) -> None:
-    from ...validation import fail, is_int, is_number
+def _check_settings(s: dict, who: str = "TensorCompressionConfig") -> None:
+    """Raise ValueError naming the first bad setting of `s`, as `who`'s field (the config's, or the cache's own)."""
+    from ...validation import fail as named_fail, is_int, is_number
+
+    def fail(field, got, allowed):
+        named_fail(field, got, allowed, who)
 
     if s["widths"] not in WIDTHS:
         fail("widths", s["widths"], "'stream' (every latent channel of a stream at its bits) | 'prompt' (a width per "

@@ -243,6 +243,8 @@ class LatentKV(Method):
         return cfg.num_key_value_heads // per
 
     def check_unit(self, modules, entry, ctx):
+        from ...plan import resolve_layers
+
         self._config = ctx.config
         cfg, o = ctx.config, entry.options
         kv, d = cfg.num_key_value_heads, _head_dim(cfg)
@@ -264,6 +266,11 @@ class LatentKV(Method):
         for li, kinds in layers.items():
             if kinds != {"k_proj", "v_proj"}:
                 fail("targets", entry.targets, f"both k_proj and v_proj of each layer (layer {li}: {sorted(kinds)})")
+        sliding = [i for i, kind in enumerate(getattr(cfg, "layer_types", None) or []) if kind == "sliding_attention"]
+        chosen = set(resolve_layers(entry.layers, ctx.n_layers)) & set(sliding)
+        if chosen and len(chosen) < len(sliding):  # one mask serves every sliding layer (`LatentKVCache`)
+            fail("layers", entry.layers, f"all of the model's sliding-window layers {sliding} or none of them (these layers take "
+                 f"{sorted(chosen)}); its full-attention layers as you like")
         if o["kv_bytes"] is not None:
             least = groups * (value_bytes(o["key_bits"], o["group"]) + value_bytes(o["bits"], o["group"])) / (4 * kv * d)
             if o["kv_bytes"] < least:

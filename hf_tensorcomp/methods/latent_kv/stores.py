@@ -170,6 +170,22 @@ class _Latents:
         return ("codes", [p.to(dtype) for p in _planes(self.codes, self.bits, self.group)], self.scale.to(dtype),
                 self.zero.to(dtype))
 
+    def dense_end(self) -> int:
+        """How many of the newest tokens are held in 16 bits (the tail; the head too while nothing is quantized):
+        those `crop` can forget."""
+        tail = 0 if self.tail is None else self.tail.shape[1]
+        return tail + (self.n_head if self.n_quantized + self.n_chunked == 0 else 0)
+
+    def crop(self, keep: int) -> None:
+        """Forget all but the first `keep` tokens held: the newest ones, as if they had never been appended (the
+        caller checked `dense_end`)."""
+        n = len(self) - keep
+        tail = 0 if self.tail is None else self.tail.shape[1]
+        if n > tail:
+            self.head = self.head[:, :self.n_head - (n - tail)] if self.n_head > n - tail else None
+        if n > 0 and self.tail is not None:
+            self.tail = self.tail[:, :max(tail - n, 0)]
+
     def drop(self, tokens: int) -> int:
         """Forget up to `tokens` of the oldest tokens, in whole pieces (the head, quantized groups; unquantized:
         whole groups of the tail); returns how many were forgotten."""
