@@ -24,7 +24,7 @@ def held_bytes(*objects) -> int:
             return
         seen_objects.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor and not isinstance(obj, nn.Parameter):
+            if hasattr(obj, "__tensor_flatten__") and type(obj) not in (torch.Tensor, nn.Parameter):  # a subclass
                 for name in obj.__tensor_flatten__()[0]:
                     visit(getattr(obj, name), depth + 1)
                 return
