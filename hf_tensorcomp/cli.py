@@ -165,6 +165,12 @@ def cmd_compress(args) -> int:
                                   **({"heal": args.heal} if args.heal is not None else {}),
                                   **dict(args.option or []))
     _check_compress_flags(args)
+    from .distributed import is_main
+
+    # under torchrun / accelerate launch: every rank compresses, rank 0 evaluates and writes; the ranks join before
+    # --out is looked at, so a rank launched apart (HF_TENSORCOMP_DISTRIBUTED=0) that already wrote it cannot turn
+    # the others' bounded wait for it into a "--out exists" error
+    main = is_main()
     out = Path(args.out)
     _check_out(out, args.overwrite)
     src = _resolve(args.model)
@@ -173,9 +179,6 @@ def cmd_compress(args) -> int:
 
         refuse_overlap(out, [src], "--out")
     dtype = getattr(torch, args.dtype)
-    from .distributed import is_main
-
-    main = is_main()  # under torchrun / accelerate launch: every rank compresses, rank 0 evaluates and writes
     if args.stream:
         return _compress_streaming(src, out, cfg, dtype, args, main)
     try:

@@ -42,3 +42,18 @@ def set_tied_embeddings(model_config, tied: bool) -> None:
 def head_dim(config) -> int:
     """Width of one attention head: the config's ``head_dim``, else hidden size over the number of heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def resolve_layers(layers: list[int] | None, n: int) -> list[int]:
+    """The decoder layers a config's `layers` names (None: all of the model's `n`), sorted, negative indices
+    counted from the end; an index out of range refused naming the field."""
+    if layers is None:
+        return list(range(n))
+    out = []
+    for i in layers:
+        if not -n <= i < n:
+            raise ValueError(f"TensorCompressionConfig.layers: got {i}; allowed: ints in [{-n}, {n - 1}] (the model has {n} decoder layers)")
+        j = i % n
+        if j not in out:
+            out.append(j)
+    return sorted(out)

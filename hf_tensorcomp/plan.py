@@ -13,21 +13,8 @@ from torch import nn
 from .config import TensorCompressionConfig
 from .layers import FactorizedModule
 from .methods import get_method
-from .layout import find_decoder_layers  # noqa: F401 - the plan's callers use it from here too
+from .layout import find_decoder_layers, resolve_layers  # noqa: F401 - the plan's callers use them from here too
 from .methods.base import Context
-
-
-def resolve_layers(layers: list[int] | None, n: int) -> list[int]:
-    if layers is None:
-        return list(range(n))
-    out = []
-    for i in layers:
-        if not -n <= i < n:
-            raise ValueError(f"TensorCompressionConfig.layers: got {i}; allowed: ints in [{-n}, {n - 1}] (the model has {n} decoder layers)")
-        j = i % n
-        if j not in out:
-            out.append(j)
-    return sorted(out)
 
 
 def model_context(model: nn.Module) -> Context:

@@ -48,7 +48,7 @@ def _layers(entry, stats: dict | None, n_layers: int) -> str:
     """The entry's layers (negative indices counted from the end, as given to the config), or (layers=None) the
     decoder layers its method actually changed."""
     if entry.layers is not None:
-        from ..plan import resolve_layers
+        from ..layout import resolve_layers
 
         given = resolve_layers(entry.layers, n_layers)
         return "all" if len(given) == n_layers else ", ".join(map(str, given))

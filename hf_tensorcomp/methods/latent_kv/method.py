@@ -243,7 +243,7 @@ class LatentKV(Method):
         return cfg.num_key_value_heads // per
 
     def check_unit(self, modules, entry, ctx):
-        from ...plan import resolve_layers
+        from ...layout import resolve_layers
 
         self._config = ctx.config
         cfg, o = ctx.config, entry.options
