@@ -20,6 +20,8 @@ Every factored module:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -182,18 +184,14 @@ class FactorizedModule(nn.Module):
         q = self.__dict__.get("_qfactors")
         if not q or any(f"{n}_scale" in self._parameters for n in q):  # scales in training: moved like parameters
             return super()._apply(fn, recurse)
-        held = [n for n in q if self._held(n) is not None]
-        for n in held:
-            self._release(n)
-        scales = {n: self._buffers[f"{n}_scale"] for n in q}
-        out = super()._apply(fn, recurse)
-        for n, (bits, group, shape, dtype) in list(q.items()):
-            moved = self._buffers[f"{n}_scale"]
-            if moved.dtype != scales[n].dtype:
-                self._buffers[f"{n}_scale"] = scales[n].to(moved.device)
-            q[n] = (bits, group, shape, fn(torch.empty(0, dtype=dtype)).dtype)
-        for n in held:
-            self._hold(n)
+        with self._packed_meanwhile():
+            scales = {n: self._buffers[f"{n}_scale"] for n in q}
+            out = super()._apply(fn, recurse)
+            for n, (bits, group, shape, dtype) in list(q.items()):
+                moved = self._buffers[f"{n}_scale"]
+                if moved.dtype != scales[n].dtype:
+                    self._buffers[f"{n}_scale"] = scales[n].to(moved.device)
+                q[n] = (bits, group, shape, fn(torch.empty(0, dtype=dtype)).dtype)
         return out
 
     def factor_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -265,10 +263,9 @@ class FactorizedModule(nn.Module):
 
     def _release(self, name: str) -> None:
         """Back from the kernel's layout to the packed codes (before a move to another device or dtype)."""
-        kernel = self.__dict__.get("_kernels", {}).pop(name, None)
-        if kernel is not None:
-            bits = self.qspec(name)[0]
-            self._buffers[name] = pack(kernel.codes(self._buffers[f"{name}_zero"]).reshape(-1), bits)
+        if self._held(name) is not None:
+            self._buffers[name] = self._packed(name)
+            del self.__dict__["_kernels"][name]
             self._buffers.pop(f"{name}_kernel_sz", None)
             self._non_persistent_buffers_set.discard(f"{name}_kernel_sz")
 
@@ -281,16 +278,27 @@ class FactorizedModule(nn.Module):
         """The state dict holds the packed codes as saved, whatever layout the module holds."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for name in self.__dict__.get("_kernels", {}):
-            bits = self.qspec(name)[0]
-            destination[prefix + name] = pack(self.quantized(name).codes, bits)
+            destination[prefix + name] = self._packed(name)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        with self._packed_meanwhile():
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _packed(self, name: str) -> torch.Tensor:
+        """The packed codes of quantized factor `name` as saved, from whichever layout is held."""
+        return pack(self.quantized(name).codes, self.qspec(name)[0])
+
+    @contextlib.contextmanager
+    def _packed_meanwhile(self):
+        """The held factors back in their packed codes for the block (a move, a load), held again after it."""
         held = [n for n in self.quantized_names() if self._held(n) is not None]
         for n in held:
             self._release(n)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        for n in held:
-            self._hold(n)
+        try:
+            yield
+        finally:
+            for n in held:
+                self._hold(n)
 
     def _factor_tensors(self, name: str) -> list[torch.Tensor]:
         """The tensors that store factor `name`: its codes (packed, or in the kernel's layout), scale and zero
