@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (bench_main, bytes_read_per_token, child_setup, decode_tokens_per_s, interleaved,  # noqa: E402
                     markdown_table, per_model, read_bandwidth_gb_s, set_threads, thread_count)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
+from hf_tensorcomp.eval.memory import held_bytes  # noqa: E402
 
 NAME = "decode_speed"
 DEFAULTS = {
@@ -150,8 +151,6 @@ def _model(job: dict, q) -> None:
                 out[label].update({f"tok_s_{key}_t{n}": statistics.median(v), f"tok_s_{key}_t{n}_best": max(v),
                                    f"tok_s_{key}_t{n}_all": v})
         for label, m in models.items():  # after every generate: what the model holds and reads a token
-            from hf_tensorcomp.eval.memory import held_bytes
-
             out[label].update({f"held_mb_{key}": held_bytes(m) / 1e6, f"read_mb_{key}": bytes_read_per_token(m) / 1e6})
         del models
     q.put(list(out.values()))
