@@ -444,3 +444,85 @@ def bytes_read_per_token(model) -> int:
     tied = head is not None and (getattr(head, "weight", None) is getattr(emb, "weight", None)
                                  or getattr(head, "tied", False))
     return held_bytes(model) - (0 if tied else held_bytes(emb))
+
+
+# ------------------------------------------------ 7B-shaped checkpoints (scale.py, profile_compress.py)
+# Llama-2-7B's shapes but the vocabulary: SmolLM2's tokenizer (49152 ids, 1.5x Llama-2's 32000) is saved beside the
+# weights, so that the calibration text's ids index the table.
+SHAPES = {
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=49152),
+    "tiny": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=8, vocab_size=49152),  # the same path at a small shape, to check it end to end
+}
+LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8)
+MODEL = {"7b": "llama2-7b-shape", "tiny": "tiny-llama-shape"}
+
+CALIBRATION = ["--calibration", "wikipedia", "--calibration-samples", "8", "--calibration-length", "256",
+               "--option", "calibration_batch_size=4"]  # two batches: one a rank on two processes
+PATHS = {  # the CLI's arguments (besides the checkpoint, --out, --layers)
+    "7b-qlr": ["--method", "qlr", "--option", "target_bytes=0.27", *CALIBRATION],  # allocation settles to "relative"
+    "7b-laser": ["--method", "laser", "--target", "0.8", "--option", "whiten=true", "--option", "allocation=relative",
+                 "--targets", "*_proj", *CALIBRATION],
+}
+
+
+def layer_matrices(shape: dict) -> dict[str, tuple[int, int]]:
+    """A decoder layer's linears, (out, in)."""
+    h, f = shape["hidden_size"], shape["intermediate_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    return {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, h), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+
+
+def write_checkpoint(folder: Path, shape: dict, shard_bytes: int = 2 << 30) -> int:
+    """A LlamaForCausalLM checkpoint of `shape`, random N(0, 0.02) bfloat16 weights (norms at 1), written shard by
+    shard (a shard's tensors at most in memory) with its index, config and SmolLM2's tokenizer. Returns its bytes."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from hf_tensorcomp import assets
+
+    tok = AutoTokenizer.from_pretrained(assets.model_path("smollm2"))
+    config = LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, dtype="bfloat16")
+    folder.mkdir(parents=True)
+    config.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    gen = torch.Generator().manual_seed(0)
+    h = shape["hidden_size"]
+
+    def rand(*size):
+        return (torch.randn(*size, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def tensors():  # (name, tensor) in file order, one tensor made at a time
+        yield "model.embed_tokens.weight", rand(shape["vocab_size"], h)
+        for li in range(shape["num_hidden_layers"]):
+            for name, (o, i) in layer_matrices(shape).items():
+                yield f"model.layers.{li}.{name}.weight", rand(o, i)
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                yield f"model.layers.{li}.{norm}.weight", torch.ones(h, dtype=torch.bfloat16)
+        yield "model.norm.weight", torch.ones(h, dtype=torch.bfloat16)
+        yield "lm_head.weight", rand(shape["vocab_size"], h)
+
+    weight_map, shard, size, n, total = {}, {}, 0, 0, 0
+
+    def flush():
+        nonlocal shard, size, n
+        name = f"model-{n:05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        shard, size, n = {}, 0, n + 1
+
+    for name, t in tensors():
+        if shard and size + t.numel() * 2 > shard_bytes:
+            flush()
+        shard[name] = t
+        size += t.numel() * 2
+        total += t.numel() * 2
+    flush()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return total

@@ -66,7 +66,7 @@ def test_gptq_in_row_blocks_gives_the_codes_of_the_whole_matrix(data, monkeypatc
 
     w, x = data
     whole = quantize_gptq(w, x.T @ x, 4, 64, grid=grid)
-    monkeypatch.setattr(qmod, "GPTQ_BLOCK_BYTES", 8 * w.shape[1] * 5)  # blocks of 5 rows, the last one short
+    monkeypatch.setattr(qmod, "GPTQ_BLOCK_BYTES", 4 * w.shape[1] * 5)  # blocks of 5 rows, the last one short
     assert w.shape[0] % 5
     blocks = quantize_gptq(w, x.T @ x, 4, 64, grid=grid)
     for k in ("codes", "scale", "zero"):
@@ -102,7 +102,7 @@ def test_gptq_act_order_codes_come_back_in_the_original_column_order(data, monke
     b = quantize_gptq(w[:, p], (x.T @ x)[p][:, p], 4, 64, act_order=True)
     assert torch.equal(a.codes.view(48, 128)[:, p], b.codes.view(48, 128))
     assert not torch.equal(a.codes, b.codes)
-    monkeypatch.setattr(qmod, "GPTQ_BLOCK_BYTES", 8 * w.shape[1] * 5)
+    monkeypatch.setattr(qmod, "GPTQ_BLOCK_BYTES", 4 * w.shape[1] * 5)
     assert torch.equal(quantize_gptq(w, x.T @ x, 4, 64, act_order=True).codes, a.codes)
     plan = gptq_plan(x.T @ x, act_order=True)
     halves = [quantize_gptq(w[r], None, 4, 64, plan=plan) for r in (slice(0, 20), slice(20, None))]
@@ -982,3 +982,77 @@ def test_a_byte_budget_never_loses_to_one_width_everywhere(tiny_dirs, monkeypatc
     m = _qlr(tiny_dirs, target_bytes=0.3438, bit_choices=[2, 3, 4, 8], rotate=False, grid="minmax")
     bits = {v["bits"] for v in m.config.quantization_config.stats["modules"].values()}
     assert bits == {4}
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gptq_widths_together_give_each_widths_codes_and_its_exact_output_error(data, act_order):
+    """The ladder's sweep of several widths at once: the codes of one call per width, and per row the output error
+    on the plan's damped Gram, (w - q) H (w - q)ᵀ, from the sweep itself (W - Q = Err U)."""
+    from hf_tensorcomp.decompositions.quantize import quantize_gptq_widths
+
+    w, x = data
+    gram = (x.T @ x).double()
+    plan = gptq_plan(gram, 0.01, act_order)
+    h = gram.clone()
+    h.diagonal().add_(0.01 * h.diagonal().mean())
+    together = quantize_gptq_widths(w, [3, 4, 8], 32, "search", plan)
+    for bits, (q, loss) in zip([3, 4, 8], together):
+        alone = quantize_gptq(w, None, bits, 32, grid="search", plan=plan)
+        assert torch.equal(q.codes, alone.codes) and torch.equal(q.scale, alone.scale) and torch.equal(q.zero, alone.zero)
+        d = w.double() - q.dequantize().double()
+        assert torch.allclose(loss.double(), (d @ h * d).sum(1), rtol=1e-3 if bits < 8 else 2e-2)  # float32 sweep
+
+
+def test_search_grid_coarse_to_fine_finds_the_best_of_all_factors_where_there_is_one_minimum(data):
+    from hf_tensorcomp.decompositions import quantize as qm
+
+    g = qm._groups(data[0], 32)
+    errs = []
+    for f in qm.SHRINKS:  # every factor's round-trip error, as the full search measured it
+        scale, zero = qm._grid(g * f, 4)
+        errs.append(((qm._codes(g, scale, zero, 4) - zero[:, None]) * scale[:, None] - g).abs().pow(2.4).sum(1))
+    errs = torch.stack(errs, 1)
+    scale, zero = qm._search_grid(g, 4)
+    full = errs.argmin(1)
+    for i in range(len(g)):
+        s_full, z_full = qm._grid(g[i:i + 1] * qm.SHRINKS[int(full[i])], 4)
+        found = ((qm._codes(g[i:i + 1], scale[i:i + 1], zero[i:i + 1], 4) - zero[i]) * scale[i] - g[i]).abs().pow(2.4).sum()
+        assert found <= errs[i, int(full[i])] * (1 + 1e-6) or not _one_minimum(errs[i])
+
+
+def _one_minimum(e) -> bool:
+    d = torch.sign(e[1:] - e[:-1])
+    return int((d[1:] != d[:-1]).sum()) <= 1
+
+
+def test_spectrum_tails_exact_below_the_threshold_and_close_above(monkeypatch):
+    from hf_tensorcomp.decompositions import svd
+
+    g = torch.Generator().manual_seed(1)
+    m = torch.randn(300, 200, generator=g, dtype=torch.float64) * torch.linspace(2, 0.1, 200, dtype=torch.float64)
+    sv2 = torch.linalg.svdvals(m).pow(2)
+    want = [float(sv2[r:].sum()) for r in (0, 4, 16, 40)]
+    assert svd.spectrum_tails(m, [0, 4, 16, 40]) == pytest.approx(want, rel=1e-9)
+    monkeypatch.setattr(svd, "EXACT_SPECTRUM", 50)  # the randomized range finder
+    est = svd.spectrum_tails(m, [0, 4, 16, 40])
+    assert est[0] == pytest.approx(want[0], rel=1e-6)
+    for e, x in zip(est[1:], want[1:]):
+        assert x * (1 - 1e-5) <= e <= x * 1.01  # never below the best rank's error, within 1 %
+
+
+@pytest.mark.parametrize("rank", [5, 120])
+def test_whitened_svd_above_the_threshold_is_as_good_as_the_svd(monkeypatch, rank):
+    """A small rank by the randomized range finder, a large one by the Gram's eigenvectors: the fit's whitened
+    error within 1 % (randomized) or equal (eigenvectors) to LAPACK's SVD's."""
+    from hf_tensorcomp.decompositions import svd
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(260, 200, generator=g) * torch.linspace(2, 0.1, 200)
+    x = torch.randn(400, 200, generator=g)
+    s = whitening_factor((x.T @ x).double())
+    u, v, _ = whitened_svd(w, rank, s)
+    monkeypatch.setattr(svd, "EXACT_SPECTRUM", 50)
+    u2, v2, _ = whitened_svd(w, rank, s)
+    best = float(((w - u @ v).double() @ s).norm())
+    got = float(((w - u2 @ v2).double() @ s).norm())
+    assert best * (1 - 1e-6) <= got <= best * (1.01 if rank + 16 < 50 else 1 + 1e-6)

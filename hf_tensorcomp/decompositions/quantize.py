@@ -80,11 +80,12 @@ def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return flat.reshape(-1, group_size)
 
 
-def _grid(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of `w` (groups x group_size): the asymmetric min-max scale and integer zero point."""
+def _grid(w: torch.Tensor, bits: int, shrink: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `w` (groups x group_size): the asymmetric min-max scale and integer zero point (of the range
+    shrunk by `shrink`: that of ``w * shrink``)."""
     top = 2**bits - 1
-    lo = w.amin(1).clamp(max=0)
-    hi = w.amax(1).clamp(min=0)
+    lo = w.amin(1).clamp(max=0) * shrink
+    hi = w.amax(1).clamp(min=0) * shrink
     scale = ((hi - lo) / top).clamp(min=1e-8)
     zero = (-lo / scale).round().clamp(0, top)
     # the integer zero shifts the grid by up to half a step: widen the step so both ends stay within
@@ -103,21 +104,41 @@ GRIDS = ("minmax", "search")
 SHRINKS = torch.linspace(1.0, 0.8, 21).tolist()  # the range factors ``grid="search"`` tries
 
 
-def _search_grid(w: torch.Tensor, bits: int, norm: float = 2.4) -> tuple[torch.Tensor, torch.Tensor]:
+def _search_grid(w: torch.Tensor, bits: int, norm: float = 2.4, chunk: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `w`: the grid of the min-max range shrunk by the factor in `SHRINKS` whose round-trip
     error Σ |w - q(w)|^norm is least (GPTQ's reference ``mse`` grid: clipping a few outliers buys a finer
     step for the rest; the same 2.4-norm). Values outside the shrunk range are clipped, so the round-trip
-    bound of `_grid` (half a step) no longer holds for them."""
-    best = None
-    for f in SHRINKS:
-        scale, zero = _grid(w * f, bits)
-        err = ((_codes(w, scale, zero, bits) - zero[:, None]) * scale[:, None] - w).abs().pow(norm).sum(1)
-        if best is None:
-            best = [err, scale, zero]
-        else:
-            better = err < best[0]
-            best = [torch.where(better, a, b) for a, b in zip((err, scale, zero), best)]
-    return best[1], best[2]
+    bound of `_grid` (half a step) no longer holds for them. Coarse to fine: every fourth factor, then the three on
+    each side of a row's best (12 of the 21 factors tried; the same choice wherever a row's error has one minimum
+    over the factors, ties to the larger factor as before). Rows are searched `chunk` values at a time, every factor on
+    a chunk before the next (it stays in cache), in place in one buffer."""
+    shrinks = torch.tensor(SHRINKS, device=w.device)
+    scales, zeros = torch.empty(w.shape[0], device=w.device), torch.empty(w.shape[0], device=w.device)
+    step = max(1, chunk // max(w.shape[1], 1))
+    for r0 in range(0, w.shape[0], step):
+        x = w[r0: r0 + step]
+        buf = torch.empty_like(x)
+        best = None
+
+        def trial(k):  # k: an index into SHRINKS, for all rows or per row
+            scale, zero = _grid(x, bits, shrinks[k] if isinstance(k, torch.Tensor) else SHRINKS[k])
+            torch.div(x, scale[:, None], out=buf).round_().add_(zero[:, None]).clamp_(0, 2**bits - 1)
+            err = buf.sub_(zero[:, None]).mul_(scale[:, None]).sub_(x).abs_().pow_(norm).sum(1)
+            k = k if isinstance(k, torch.Tensor) else torch.full_like(err, k, dtype=torch.long)
+            nonlocal best
+            if best is None:
+                best = [err, k, scale, zero]
+            else:
+                better = (err < best[0]) | ((err == best[0]) & (k < best[1]))
+                best = [torch.where(better, a, b) for a, b in zip((err, k, scale, zero), best)]
+
+        for k in range(0, len(SHRINKS), 4):
+            trial(k)
+        centre = best[1].clone()
+        for d in (-3, -2, -1, 1, 2, 3):
+            trial((centre + d).clamp(0, len(SHRINKS) - 1))
+        scales[r0: r0 + step], zeros[r0: r0 + step] = best[2], best[3]
+    return scales, zeros
 
 
 def grid_for(w: torch.Tensor, bits: int, grid: str = "minmax") -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +160,7 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, grid: str = "minma
     return QTensor(codes.to(torch.uint8).reshape(-1), scale.half(), zero.to(torch.uint8), bits, group_size, tuple(w.shape))
 
 
-GPTQ_BLOCK_BYTES = 64 << 20  # rows of a matrix GPTQ works on at once: this many bytes of them in float64
+GPTQ_BLOCK_BYTES = 256 << 20  # rows of a matrix GPTQ works on at once: this many bytes of them (float32)
 
 
 def gptq_inverse(gram: torch.Tensor, damping: float = 0.01, perm: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,7 +198,7 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor | None, bits: int, group_s
     group, as in the reference implementation (the last group of a row may be shorter). Dead inputs (zero Gram diagonal)
     get a unit diagonal and their weights are quantized as they are. Every row is quantized on its own (the
     error spreads along a row), so the rows are worked on a block at a time (``GPTQ_BLOCK_BYTES`` of them
-    in float64): an embedding table of 262k rows costs a block's working memory, not the table's five times.
+    in float32): an embedding table of 262k rows costs a block's working memory, not the table's five times.
 
     ``act_order=True`` (GPTQ's "activation order" with static groups): the columns are quantized in the
     order of decreasing Gram diagonal (the inputs with the most energy first, while the most columns
@@ -186,63 +207,100 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor | None, bits: int, group_s
     `plan`: `gptq_plan(gram, damping, act_order)`, given by a caller quantizing one matrix in several calls
     (``gram``, ``damping`` and ``act_order`` are then the plan's and not read).
     """
-    if bits not in BITS:
-        raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
     if plan is None and gram is None:
         raise ValueError("quantize_gptq: gram: got None; allowed: the inputs' Gram XᵀX (in x in), or plan=gptq_plan(gram)")
+    plan = plan if plan is not None else gptq_plan(gram.to(w.device), damping, act_order)
+    return quantize_gptq_widths(w, [bits], group_size, grid, plan)[0][0]
+
+
+def quantize_gptq_widths(w: torch.Tensor, widths, group_size: int, grid: str, plan: tuple) -> list[tuple[QTensor, torch.Tensor]]:
+    """`quantize_gptq` of `w` at each width of `widths` (one plan): [(QTensor, per-row loss)], the loss of row r the
+    squared output error GPTQ left there on the plan's damped Gram H, Σ_j err_j² = (w - q) H (w - q)ᵀ exactly (W - Q
+    = Err U with H⁻¹ = Uᵀ U, so (W - Q) H (W - Q)ᵀ = Err Errᵀ): a byproduct of the sweep, no extra product. With
+    static groups (the plan's order, ``act_order=True``) the widths are swept together, their rows stacked (rows are
+    independent: the same codes as one call per width, a column's Python work shared)."""
+    for bits in widths:
+        if bits not in BITS:
+            raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
     out_f, in_f = w.shape
-    Hinv, perm = plan if plan is not None else gptq_plan(gram.to(w.device), damping, act_order)
-    Hinv, perm = Hinv.to(w.device), None if perm is None else perm.to(w.device)
-    step = max(1, GPTQ_BLOCK_BYTES // (8 * in_f))
-    parts, static = [], None
-    for r0 in range(0, out_f, step):
-        rows = w[r0: r0 + step]
-        if perm is not None:
-            static = grid_for(_groups(rows.detach().float(), group_size), bits, grid)
-            static = tuple(t.view(rows.shape[0], -1).double() for t in static)
-        parts.append(_gptq_rows(rows, Hinv, bits, group_size, grid, static, perm))
-    codes, scales, zeros = (torch.cat([p[k] for p in parts]) for k in range(3))
-    return QTensor(codes.reshape(-1), scales.reshape(-1), zeros.reshape(-1), bits, group_size, (out_f, in_f))
+    # the sweep in float32, as GPTQ's reference (the plan is made in float64): half the bytes and twice the
+    # arithmetic rate of float64 on CPU
+    Hinv, perm = plan
+    Hinv, perm = Hinv.to(w.device, torch.float32), None if perm is None else perm.to(w.device)
+    groups = None if perm is None else _groups(w.detach().float(), group_size)
+    together = [list(widths)] if perm is not None else [[b] for b in widths]
+    results = []
+    for ws in together:
+        step = max(1, GPTQ_BLOCK_BYTES // (4 * in_f * len(ws)))
+        parts = []
+        for r0 in range(0, out_f, step):
+            rows = w[r0: r0 + step]
+            static = None
+            if perm is not None:
+                n = rows.shape[0] * -(-in_f // group_size)
+                g = groups[r0 * (n // rows.shape[0]): r0 * (n // rows.shape[0]) + n]
+                grids = [grid_for(g, b, grid) for b in ws]
+                static = tuple(torch.cat([t[k].view(rows.shape[0], -1) for t in grids]) for k in range(2))
+            top = torch.tensor([2**b - 1 for b in ws], dtype=torch.float32, device=w.device).repeat_interleave(rows.shape[0])
+            stacked = rows.detach().float().repeat(len(ws), 1) if len(ws) > 1 else rows
+            parts.append(_gptq_rows(stacked, Hinv, top, group_size, grid, static, perm, bits=ws[0]))
+        for k, bits in enumerate(ws):  # the rows of width `bits` out of each block's stack
+            mine = [tuple(t.view(len(ws), -1, *t.shape[1:])[k] for t in p) for p in parts]
+            codes, scales, zeros, loss = (torch.cat([m[j] for m in mine]) for j in range(4))
+            results.append((QTensor(codes.reshape(-1), scales.reshape(-1), zeros.reshape(-1), bits, group_size, (out_f, in_f)),
+                            loss))
+    order = [b for ws in together for b in ws]
+    return [results[order.index(b)] for b in widths]
 
 
-def _gptq_rows(w: torch.Tensor, Hinv: torch.Tensor, bits: int, group_size: int, grid: str,
-               static: tuple | None = None, perm: torch.Tensor | None = None):
+def _gptq_rows(w: torch.Tensor, Hinv: torch.Tensor, top: torch.Tensor, group_size: int, grid: str,
+               static: tuple | None = None, perm: torch.Tensor | None = None, bits: int = 4):
     """`quantize_gptq` on a block of rows, given the upper Cholesky factor of the damped inverse Gram
-    (of the permuted Gram, with `perm`): (codes uint8, scales float16, zero points uint8), each (rows, ...).
-    `static`: (scales, zeros) per (row, group) fixed beforehand (act order); `perm`: the order the columns
-    are quantized in (codes come back in the original order)."""
+    (of the permuted Gram, with `perm`; float32): (codes uint8, scales float16, zero points uint8, per-row loss), each
+    (rows, ...). `top`: each row's largest code (rows of several widths swept together need `static`); `bits`: the width
+    of grids made on the way (no `static`). `static`: (scales, zeros) per (row, group) fixed beforehand (act order);
+    `perm`: the order the columns are quantized in (codes come back in the original order). The weights are held
+    transposed (a column contiguous) and worked in blocks of columns: within a block each column's error goes to the
+    block's later columns (one rank-1 update), then to all later columns at once (one product)."""
     out_f, in_f = w.shape
-    W = w.detach().double().clone()
-    if perm is not None:
-        W = W[:, perm]
-    group = (perm if perm is not None else torch.arange(in_f, device=W.device)) // group_size  # each column's group
-    codes = torch.zeros_like(W)
+    W = w.detach().float().t()
+    W = W[perm] if perm is not None else W.clone(memory_format=torch.contiguous_format)  # (in, rows), contiguous
+    group = ((perm if perm is not None else torch.arange(in_f, device=W.device)) // group_size).tolist()  # each column's group
+    codes = torch.empty(in_f, out_f, dtype=torch.uint8, device=W.device)
     if static is not None:
-        scales, zeros = static
+        scales, zeros = (t.t().contiguous() for t in static)  # (groups, rows)
     else:
-        scales = torch.zeros(out_f, -(-in_f // group_size), dtype=torch.float64, device=W.device)
+        scales = torch.zeros(-(-in_f // group_size), out_f, dtype=torch.float32, device=W.device)
         zeros = torch.zeros_like(scales)
-    block = group_size * max(1, 128 // group_size)  # whole groups per block: a group's grid sees its updated weights
+    loss = torch.zeros(out_f, dtype=torch.float32, device=W.device)
+    diag = Hinv.diagonal().tolist()
+    # whole groups per block where grids are made on the way (a group's grid sees its updated weights)
+    block = 32 if static is not None else group_size * max(1, 128 // group_size)
+    q, err = torch.empty(out_f, device=W.device), torch.empty(out_f, device=W.device)
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
-        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
-        Err1 = torch.zeros_like(W1)
+        W1, Hinv1 = W[i1:i2], Hinv[i1:i2, i1:i2]
+        Err1 = torch.empty(i2 - i1, out_f, device=W.device)
         for i in range(i2 - i1):
             col = i1 + i
-            g = int(group[col])
+            g = group[col]
             if static is None and col % group_size == 0:
-                s, z = grid_for(W1[:, i:i + group_size].float(), bits, grid)
-                scales[:, g], zeros[:, g] = s.double(), z.double()
-            s, z = scales[:, g], zeros[:, g]
-            q = (W1[:, i] / s).round().add(z).clamp(0, 2**bits - 1)
-            codes[:, col] = q
-            err = (W1[:, i] - (q - z) * s) / Hinv1[i, i]
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+                s, z = grid_for(W1[i:i + group_size].t(), bits, grid)
+                scales[g], zeros[g] = s, z
+            s, z, x = scales[g], zeros[g], W1[i]
+            torch.div(x, s, out=q).round_().add_(z).clamp_(min=0)
+            torch.minimum(q, top, out=q)
+            codes[col] = q
+            torch.sub(q, z, out=err).mul_(s).neg_().add_(x).div_(diag[col])  # (x - (q - z) s) / d
+            loss.addcmul_(err, err)
+            if i + 1 < i2 - i1:
+                W1[i + 1:].addr_(Hinv1[i, i + 1:], err, alpha=-1)
+            Err1[i] = err
+        if i2 < in_f:
+            W[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)
     if perm is not None:
-        codes = torch.empty_like(codes).index_copy_(1, perm, codes)
-    return codes.to(torch.uint8), scales.half(), zeros.to(torch.uint8)
+        codes = torch.empty_like(codes).index_copy_(0, perm, codes)
+    return codes.t().contiguous(), scales.t().half(), zeros.t().to(torch.uint8), loss
 
 
 def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,

@@ -49,8 +49,8 @@ from functools import partial
 import torch
 
 from ...decompositions.hadamard import rotate, rotate_gram, rotation_block, rotation_signs, unrotate
-from ...decompositions.quantize import BITS, GRIDS, gptq_plan, quantize_gptq, quantize_rtn, stored_bytes
-from ...decompositions.svd import whitened_svd, whitening_factor
+from ...decompositions.quantize import BITS, GRIDS, gptq_plan, quantize_gptq_widths, quantize_rtn, stored_bytes
+from ...decompositions.svd import EXACT_SPECTRUM, spectrum_tails, whitened_svd, whitening_factor
 from ...validation import choices, fail, is_int, is_number
 from ..base import Allocation, Method, register_method
 from .layer import QuantizedLowRankLinear
@@ -68,10 +68,11 @@ DEFAULT_BITS = tuple(b for b in BITS if b != 2)
 
 def _error(w: torch.Tensor, approx: torch.Tensor, s: torch.Tensor | None) -> float:
     """Relative (whitened, if `s`) error of `approx` against `w`."""
-    d = (w - approx).double()
+    d, w = (w - approx).float(), w.float()
     if s is not None:
-        return float((d @ s).norm() / (w.double() @ s).norm().clamp_min(1e-30))
-    return float(d.norm() / w.double().norm().clamp_min(1e-30))
+        s = s.float()
+        return float((d @ s).norm() / (w @ s).norm().clamp_min(1e-30))
+    return float(d.norm() / w.norm().clamp_min(1e-30))
 
 
 @register_method
@@ -220,12 +221,16 @@ class QuantizedLowRank(Method):
 
     def _quantize(self, w, bits, entry, plan, group_size=None, estimating=False, rot=None):
         """The quantizer's codes of `w` (of `w` R with a rotation `rot`; `plan` from `_plan`)."""
+        return self._quantize_widths(w, [bits], entry, plan, group_size, estimating, rot)[0]
+
+    def _quantize_widths(self, w, widths, entry, plan, group_size=None, estimating=False, rot=None):
+        """`_quantize` at each width of `widths` (GPTQ sweeps them together: `quantize_gptq_widths`)."""
         o, g = entry.options, group_size or entry.group_size
         if rot is not None:
             w = rotate(w, *rot)
         if self._gptq(entry, estimating):
-            return quantize_gptq(w, None, bits, g, grid=o["grid"], plan=plan)
-        return quantize_rtn(w, bits, g, o["grid"])
+            return [q for q, _ in quantize_gptq_widths(w, widths, g, o["grid"], plan)]
+        return [quantize_rtn(w, b, g, o["grid"]) for b in widths]
 
     @staticmethod
     def _approx(q, rot) -> torch.Tensor:
@@ -284,32 +289,33 @@ class QuantizedLowRank(Method):
         rot = None if table else self._rotation(w.shape[1], entry, w.device)
         plan = self._plan(stats, entry, rot, w.device, estimating=True)
 
+        wide = min(w.shape) > EXACT_SPECTRUM  # float32 products where the spectrum is estimated anyway
+        s_ = None if s is None else s.float() if wide else s
+
         def weighted(m, rows=slice(None)):
-            m = m[rows].double() @ s if s is not None else m[rows].double()
-            return m * d[rows, None] if d is not None else m
+            m = m[rows].float() if wide else m[rows].double()
+            m = m @ s_ if s_ is not None else m
+            return m * d[rows, None].to(m.dtype) if d is not None else m
 
         def energy(m, step=8192):  # ‖weighted(m)‖², a block of rows at a time (a vocabulary-sized table)
-            return sum(float(weighted(m, slice(i, i + step)).pow(2).sum()) for i in range(0, m.shape[0], step))
+            return sum(float(weighted(m, slice(i, i + step)).double().pow(2).sum()) for i in range(0, m.shape[0], step))
 
         if how in ("fisher", "measured"):
             ref = 2.0  # the loss itself: ½ Σ Fisher x squared output error
         else:
             ref = energy(w) / (w.numel() if how == "size" else 1)
+        ranks = [r for r in ranks if r < min(w.shape) // 2]
         points = []
-        for b in bits:
-            q = self._quantize(w, b, entry, plan, group_size, estimating=True, rot=rot)
+        for b, q in zip(bits, self._quantize_widths(w, bits, entry, plan, group_size, estimating=True, rot=rot)):
             if alloc.measured and b == bits[0]:  # the cheapest rung, for the measurement
                 alloc.probes[name] = partial(self._approx, q, rot)
             err = w - self._approx(q, rot)
-            if any(ranks):
-                tail = torch.linalg.svdvals(weighted(err)).pow(2).flip(0).cumsum(0).flip(0).tolist() + [0.0]
-            else:  # no correction: the whole error, no SVD
-                tail = [energy(err)]
+            # the squared (weighted) error each rank of correction leaves; rank 0 alone: the whole error, no SVD
+            tails = spectrum_tails(weighted(err), ranks) if any(ranks) else [energy(err)] * len(ranks)
             del err, q
-            for r in ranks:
-                if r < min(w.shape) // 2:
-                    cost = copies * self._rung_bytes(module, b, r, entry, group_size, rot is not None) / 2
-                    points.append((cost, tail[r] / ref, (b, r)))
+            for r, tail in zip(ranks, tails):
+                cost = copies * self._rung_bytes(module, b, r, entry, group_size, rot is not None) / 2
+                points.append((cost, tail / ref, (b, r)))
         points.sort()
         front = []
         for cost, loss, setting in points:
