@@ -7,8 +7,8 @@
 2. **calibrate** (`hf_tensorcomp.calibration`): when a method needs data, the calibration token ids and
    a `LayerwiseRunner` holding the first decoder layer's inputs; sensitivities (Fisher, weight
    gradients) from one backward pass of the dense model, before anything changes.
-3. **allocate**: entries with a global ``target`` get every module's rung of its method's ladder (an
-   `Allocation` per entry, which its method fills while pricing the rungs and reads when it compresses).
+3. **allocate** (`hf_tensorcomp.budget`): entries with a global ``target`` get every module's rung of its method's
+   ladder (an `Allocation` per entry, which its method reads when it compresses).
 4. **compress**: unit by unit (layer by layer with calibration, outputs propagated to the next layer),
    each unit checked before and after (`hf_tensorcomp.checks`) and put in place by `hf_tensorcomp.surgery`
    (module replacement only); then each method's whole-model `finish` step, and with ``embedding_bits``
@@ -37,12 +37,10 @@ from tqdm.auto import tqdm
 from . import checks, distributed
 from .calibration.data import calibration_tokenizer, describe
 from .config import TensorCompressionConfig, table_entry
-from .decompositions.quantize import stored_bytes
-from .embedding_tables import final_gram, head_gram, quantize_embeddings, table_names
+from .embedding_tables import final_gram, quantize_embeddings, table_names
 from .layers import FactorizedModule
-from .methods.qlr import share_input_rotations
-from .methods import get_method
-from .methods.base import Allocation
+from .budget import _by_layer, _layer_of, allocate
+from .methods import attach, get_method
 from .layout import embedding_names
 from .plan import find_decoder_layers, model_context, plan
 from .surgery import factored_specs, set_module
@@ -109,6 +107,7 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
             done = methods[k].finish(model, entry, ctx, runner)
             if done:
                 finished[str(k)] = done
+        attach(model)  # what the new modules need at run time (e.g. a shared input rotation, the latent attention)
         if config.embedding_bits:
             bits = next((a.report["embedding_bits"] for a in allocation.values() if "embedding_bits" in a.report),
                         config.embedding_bits)
@@ -122,7 +121,6 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
         model.train(was_training)
     record(model, config, (params_before, bytes_before), time.perf_counter() - t0, module_stats, finished, runner,
            allocation)  # 5.
-    share_input_rotations(model)  # q / k / v and gate / up rotate their common input once
     if healer is not None:
         config.stats = {**config.stats, "heal": healer.report()}
     elif config.heal:  # 6. heal: distil toward the dense model this one was made from
@@ -313,189 +311,3 @@ def record(model: nn.Module, config: TensorCompressionConfig, before: tuple[int,
     if allocation:
         config.stats["allocation"] = {str(k): a.report for k, a in allocation.items()}
     return config.stats
-
-
-def _layer_of(name: str) -> int:
-    return int(name.split(".", 1)[0])
-
-
-def _by_layer(kinds: dict[str, frozenset]) -> dict[int, dict[str, frozenset]]:
-    """{module name: statistics} grouped by decoder layer, the shape `LayerwiseRunner.run` takes."""
-    out: dict[int, dict[str, frozenset]] = {}
-    for n, k in kinds.items():
-        out.setdefault(_layer_of(n), {})[n] = k
-    return out
-
-
-TABLE_BITS = (4, 8)  # the rungs of ``embedding_bits="auto"``
-
-
-def _table(model) -> tuple:
-    """(table name, head name or None, table, head or None, copies): copies 2 for an untied head, stored beside."""
-    emb_name, head_name = table_names(model)
-    emb = model.get_submodule(emb_name)
-    head = model.get_submodule(head_name) if head_name else None
-    return emb_name, head_name, emb, head, 1 if head is None or head.weight is emb.weight else 2
-
-
-def _table_bytes(model, config) -> tuple[int, float]:
-    """(parameters, bf16-parameter cost at the widest width it may take) of the embedding table in a byte budget."""
-    _, _, emb, _, copies = _table(model)
-    bits = max(TABLE_BITS) if config.embedding_bits == "auto" else config.embedding_bits
-    return copies * emb.weight.numel(), copies * stored_bytes(tuple(emb.weight.shape), bits, config.embedding_group_size) / 2
-
-
-def _table_ladder(model, config, m, entry, alloc, runner, cost: float) -> tuple[str, tuple[list, list]]:
-    """(key, (costs, losses)) of the embedding table in a byte budget: one rung at fixed
-    ``embedding_bits``; with ``"auto"`` the rungs 4 and 8 bits, their loss that of the output head (the
-    table's error where it costs, see `quantize_embeddings`) by the entry's own rule, on the dense
-    model's head inputs and output Fisher. An untied head is counted as a second table at the same bits;
-    `cost`: the table's cost at its widest width (`_table_bytes`)."""
-    from .calibration.stats import ModuleStats
-
-    emb_name, head_name, emb, head, copies = _table(model)
-    if config.embedding_bits != "auto":
-        alloc.settings[emb_name] = [(config.embedding_bits, 0)]
-        return emb_name, ([cost], [0.0])
-    if head is None:
-        raise ValueError("TensorCompressionConfig.embedding_bits: 'auto' weighs the table by the output head's error, and "
-                         "this model has no linear output head; allowed: embedding_bits=8 | 4")
-    stats = ModuleStats(frozenset())
-    if "gram" in m.ladder_needs(entry):
-        stats.gram = head_gram(model, head, runner.ids, config.calibration_batch_size)
-    stats.fisher = (getattr(runner, "fisher", None) or {}).get(head_name)
-    stats.to(head.weight.device)  # gathered on the host, used beside the table
-    ladder = m.ladder(emb_name, head, stats, entry, alloc, bits=TABLE_BITS, ranks=(0,), group_size=config.embedding_group_size,
-                      copies=copies, table=True)
-    return emb_name, ladder
-
-
-def allocate(config, work, methods, layer_list, runner, stream=None, model=None) -> dict[int, Allocation]:
-    """Stage 3: per entry with a global `target`, the rung of every module's ladder, meeting the budget: its
-    `Allocation` (what the method's `ladder` recorded, the rungs chosen, the report). With ``embedding_bits``, a
-    byte budget (`config.table_entry`) holds the embedding table too."""
-    from .decompositions.allocation import allocate as allocate_rungs
-
-    out = {}
-    for k, entry in enumerate(config.entries):
-        m = methods[k]
-        if not m.allocates(entry):
-            continue
-        alloc = m.start_allocation(entry)
-        names = [n for kk, ns in work if kk == k for n in ns]
-        total = sum(layer_list.get_submodule(n).weight.numel() for n in names)
-        is_table = k == table_entry(config.entries, config.embedding_bits)
-        if is_table:  # the share the modules keep once the table took its bytes (at its widest)
-            params, cost = _table_bytes(model, config)
-            alloc.share = (alloc.budget * (total + params) - cost) / total
-        ladders = {}
-        kinds = m.ladder_needs(entry)
-        if kinds:
-            wanted = _by_layer({n: kinds for n in names})
-
-            def on_layer(li, stats):
-                ladders.update(_ladders(m, entry, alloc, layer_list, stats, f"allocating decoder layer {li}"))
-                return False
-
-            reading = None if stream is None else stream.reader()
-            runner.run(wanted, on_layer, last=max(wanted), propagate=False, progress=config.progress,
-                       desc=f"hf_tensorcomp: allocating {entry.method} target={alloc.budget}", stream=reading)
-            if reading is not None:
-                reading.close()
-        else:
-            if stream is not None:
-                raise ValueError("compress_checkpoint: a data-free global allocation reads every weight first; allowed: "
-                                 "calibration= (its allocation pass streams the layers), or rank=")
-            ladders = _ladders(m, entry, alloc, layer_list, dict.fromkeys(names), "allocating")
-        table = None
-        if is_table:
-            table, ladders[table] = _table_ladder(model, config, m, entry, alloc, runner, cost)
-            total += params
-        measured = _measured(alloc, ladders, layer_list, runner, model, table) if alloc.measured else None
-        budget = alloc.budget * total
-        try:
-            rungs = allocate_rungs(ladders, budget, seed=_uniform_seed(alloc, ladders, budget))
-        except ValueError as e:
-            field = "target_bytes" if m.byte_budget else "target"
-            table_note = f" (the embedding table's {ladders[table][0][0]:,.0f} included)" if table is not None else ""
-            raise ValueError(f"TensorCompressionConfig.{field}: got {alloc.budget}; {e}{table_note}; allowed: a larger "
-                             f"{field}" + (", or embedding_bits=4 | 'auto'" if table is not None else "")
-                             + m.budget_hint(entry, alloc)) from None
-        spent = sum(ladders[n][0][j] for n, j in rungs.items())
-        out[k] = alloc
-        alloc.report = {"target": alloc.budget, "params_targeted": total, "params_kept": spent,
-                        "kept_fraction": round(spent / total, 6)}
-        if measured is not None:
-            alloc.report["measured_kl"] = {("head" if li == len(layer_list) else str(li)): round(v, 6) for li, v in measured.items()}
-        if table is not None:
-            alloc.report["embedding_bits"] = alloc.settings[table][rungs.pop(table)][0]
-        alloc.rungs = rungs
-        alloc.report["kept_dense"] = sorted(f"{n}" for n, j in rungs.items() if j == len(ladders[n][0]) - 1)
-    return out
-
-
-def _ladders(m, entry, alloc, layer_list, stats: dict, what: str) -> dict:
-    """{module name: its ladder} for the modules of `stats` ({name: its statistics or None}); distributed, dealt out
-    over the ranks (what a rung stands for, ``alloc.settings`` / ``alloc.uniform``, sent with each; with
-    ``measured`` every rank prices every module: the probes it keeps are functions). Each module's entry of `stats`
-    is set to None once its ladder is priced, so that a layer's statistics are not all held to the end."""
-    group = distributed.group()
-
-    def ladder(n):
-        alloc.layers = layer_list
-        try:
-            out = m.ladder(n, layer_list.get_submodule(n), stats[n], entry, alloc)
-        finally:
-            alloc.layers = None
-        stats[n] = None  # not read again (a 7B down_proj's Gram is 1 GB): freed before the next module's ladder
-        return out, alloc.settings.get(n), alloc.uniform.get(n)
-
-    if group is None or alloc.measured:
-        return {n: ladder(n)[0] for n in stats}
-    out = {}
-    for n, (lad, settings, uniform) in zip(stats, group.spread([functools.partial(ladder, n) for n in stats], what)):
-        out[n] = lad
-        if settings is not None:
-            alloc.settings[n] = settings
-        if uniform is not None:
-            alloc.uniform[n] = uniform
-    return out
-
-
-def _uniform_seed(alloc, ladders: dict, budget: float) -> dict | None:
-    """The rungs of the most expensive plain setting every module offers (`Allocation.uniform`: qlr's one width,
-    rank 0) that fits the budget, which the allocation must not lose to; None when there is none."""
-    common = set.intersection(*(set(u) for u in alloc.uniform.values())) if alloc.uniform else set()
-    fitting = []
-    for setting in common:
-        seed = {n: u[setting] for n, u in alloc.uniform.items()}
-        cost = sum(ladders[n][0][seed.get(n, 0)] for n in ladders)
-        if cost <= budget:
-            fitting.append((cost, seed))
-    return max(fitting, key=lambda f: f[0])[1] if fitting else None
-
-
-def _measured(alloc, ladders: dict, layer_list, runner, model, table) -> dict[int, float]:
-    """Every decoder layer's ladders (and the table's) scaled, in place, so that their cheapest rungs together
-    cost what they were measured to (`measured_kl`: that layer's matrices alone on their cheapest rung; the
-    table by the output head it is read as), each ladder keeping its own shape. Returns the measured KL per
-    layer (``len(layer_list)``: the head)."""
-    from .calibration.sensitivity import measured_kl
-
-    groups: dict[int, dict] = {}
-    for n in ladders:
-        if len(ladders[n][0]) < 2:  # one rung (e.g. a table at fixed embedding_bits): nothing to weigh
-            continue
-        key, mod = (len(layer_list), model.get_output_embeddings()) if n == table else (_layer_of(n), layer_list.get_submodule(n))
-        groups.setdefault(key, {})[n] = mod
-    group = distributed.group()  # distributed: measured on the first calibration batch, which rank 0 holds
-    kl = measured_kl(runner, groups, lambda n: alloc.probes.pop(n)()) if group is None or group.rank == 0 else None
-    kl = kl if group is None else group.gather(kl, "measuring the allocation's losses")[0]
-    alloc.probes.clear()  # those of one-rung ladders
-    for key, names in groups.items():
-        base = sum(ladders[n][1][0] for n in names)
-        if base > 0:
-            for n in names:
-                costs, losses = ladders[n]
-                ladders[n] = (costs, [x * kl[key] / base for x in losses])
-    return kl

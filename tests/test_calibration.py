@@ -9,6 +9,7 @@ from hf_tensorcomp.calibration import LayerwiseRunner, calibration_ids
 from hf_tensorcomp.decompositions.allocation import allocate
 from hf_tensorcomp.decompositions.svd import truncated_svd, whitened_svd, whitening_factor
 from hf_tensorcomp.plan import find_decoder_layers
+from hf_tensorcomp.methods.base import Context
 from tiny import ARCHS, VOCAB, rel_err
 
 
@@ -327,7 +328,8 @@ def test_relative_allocation_ignores_the_fisher_scale():
             st = ModuleStats({"gram"})
             st.add(x)
             st.fisher = fisher * scale
-            _, losses[allocation, scale] = laser.ladder("m", lin, st, entry, laser.start_allocation(entry))
+            ctx = Context(config=None, prefix="", n_layers=0, allocation=laser.start_allocation(entry))
+            losses[allocation, scale] = laser.ladder("m", lin, st, entry, ctx).losses
     assert losses["relative", 1.0] == pytest.approx(losses["relative", 100.0])
     assert losses["relative", 1.0][0] < 1.0 and losses["relative", 1.0][-1] == 0.0  # fractions of the whole
     assert losses["global", 100.0][0] == pytest.approx(100.0 * losses["global", 1.0][0])

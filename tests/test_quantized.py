@@ -966,16 +966,17 @@ def test_a_byte_budget_never_loses_to_one_width_everywhere(tiny_dirs, monkeypatc
     # everywhere; the climb from 2 bits took the first matrix to 8 bits and left another below 4 bits
     from hf_tensorcomp.methods import get_method
 
+    from hf_tensorcomp.methods.base import Ladder
+
     qlr = type(get_method("qlr"))
     first = []
 
-    def ladder(self, name, module, stats, entry, alloc, **kw):
+    def ladder(self, name, module, stats, entry, ctx):
         settings = [(b, 0) for b in (2, 3, 4, 8)]
-        alloc.settings[name] = settings
-        alloc.uniform[name] = {b: j for j, (b, _) in enumerate(settings)}
         first.append(name) if not first else None
         losses = [10.0, 2.0, 1.0, 0.8] if name == first[0] else [1.0, 0.99, 0.5, 0.49]
-        return [self._rung_bytes(module, b, 0, entry) / 2 for b, _ in settings], losses
+        return Ladder([self._rung_bytes(module, b, 0, entry) / 2 for b, _ in settings], losses, settings=settings,
+                      uniform={b: j for j, (b, _) in enumerate(settings)})
 
     monkeypatch.setattr(qlr, "ladder", ladder)
     # groups of 16, unrotated: 4-bit codes cost (64 + 3 * 8) / 256 = 0.34375 of the bf16 bytes

@@ -9,7 +9,7 @@ The floors (`FLOORS`), lowest first; a module may import its own floor and those
 2. `layers`: the compressed modules
 3. data and measures: `assets`, `calibration`, `eval`, `training`
 4. `methods`: one subpackage or module per compression method
-5. the pipeline: `config`, `plan`, `checks`, `surgery`, `healing`, `embedding_tables`, `layer_stream`,
+5. the pipeline: `config`, `plan`, `checks`, `surgery`, `healing`, `embedding_tables`, `layer_stream`, `budget`,
    `pipeline`, `sweep`
 6. integration: `integration` (transformers' quantizer, the Hub, PEFT, atomic saving), `streaming`, `convert`,
    `hybrid`
@@ -38,7 +38,7 @@ FLOORS = [
     {"layers"},
     {"assets", "calibration", "eval", "training"},
     {"methods"},
-    {"config", "plan", "checks", "surgery", "healing", "embedding_tables", "layer_stream", "pipeline", "sweep"},
+    {"config", "plan", "checks", "surgery", "healing", "embedding_tables", "layer_stream", "budget", "pipeline", "sweep"},
     {"integration", "streaming", "convert", "hybrid"},
     {"cli", "cli_report", ""},  # "": the package's __init__
 ]

@@ -20,8 +20,7 @@ from ..plan import plan
 from .saving import make_save_atomic
 from ..config import QUANT_METHOD, TensorCompressionConfig
 from ..layers import FactorizedModule
-from ..methods.latent_kv import enable as enable_latent_kv
-from ..methods.qlr import share_input_rotations
+from ..methods import attach
 from ..layers.base import hold_kernels
 from ..methods import get_method
 
@@ -79,8 +78,7 @@ class TensorCompQuantizer(HfQuantizer):
             checks.check_loaded(model)  # factors finite, EinSort indices and LASER pivots valid
             _own_aligned_memory(model)
             hold_kernels(model)  # quantized factors in the layout their product reads, in place of the packed codes
-            share_input_rotations(model)
-            enable_latent_kv(model)  # latent k/v projections: their attention and cache (a no-op without them)
+            attach(model)  # each method's run-time wiring: shared input rotations, the latent attention and cache
         else:
             if _is_offloaded(getattr(model, "hf_device_map", None)):
                 self.validate_environment(device_map=model.hf_device_map)

@@ -78,6 +78,12 @@ def spec_fail(name: str, field: str, got: Any, want: Any, entry) -> None:
                      "writes for this config entry); the checkpoint's config.json is corrupt or edited")
 
 
+def attach(model: nn.Module) -> None:
+    """Every method's `Method.attach` on `model` (after compression and after a load): the glue names no method."""
+    for method in METHODS.values():
+        method.attach(model)
+
+
 def get_method(name: Any) -> "Method":
     if name not in METHODS:
         raise ValueError(f"TensorCompressionConfig.method: got {name!r}; allowed: {' | '.join(map(repr, sorted(METHODS)))}")
@@ -86,9 +92,9 @@ def get_method(name: Any) -> "Method":
 
 @dataclass
 class Allocation:
-    """One config entry's global budget, owned by the pipeline's allocation step (`hf_tensorcomp.pipeline.allocate`)
-    and handed to the entry's method: made by `Method.start_allocation`, filled by `Method.ladder` while it prices
-    each module's rungs, then given the rung chosen per module, which `Method.compress` reads (``ctx.allocation``)."""
+    """One config entry's global budget: made by `Method.start_allocation` (``budget``, ``measured``), every other
+    field written by the budget room alone (`hf_tensorcomp.budget`, from the `Ladder`s the method returns); the
+    method reads ``share`` while it prices, and ``rungs`` / ``settings`` when it compresses (``ctx.allocation``)."""
 
     #: the fraction of the targeted modules' parameters to spend (``ladder`` costs' unit: parameters, or bf16
     #: parameters' worth of bytes for a byte budget)
@@ -110,13 +116,25 @@ class Allocation:
     rungs: dict[str, int] = field(default_factory=dict)
     #: what the allocation reports (``config.stats["allocation"]``)
     report: dict[str, Any] = field(default_factory=dict)
-    #: the decoder-layer list while `Method.ladder` prices a layer's modules (for a ladder that reads the modules
-    #: beside the one it prices, as ``Context.layers`` does for `Method.compress`); None otherwise
-    layers: Any = None
 
     def __post_init__(self):
         if self.share is None:
             self.share = self.budget
+
+
+@dataclass
+class Ladder:
+    """One module's rungs for a global budget, as `Method.ladder` prices them (see
+    `hf_tensorcomp.decompositions.allocation`): costs increasing, losses decreasing; what the budget room records."""
+
+    costs: list[float]
+    losses: list[float]
+    #: what each rung stands for, where its index is not enough (qlr: (bits, rank); latent_kv: ranks per group)
+    settings: list | None = None
+    #: {a plain setting every module may take: the rung that stands for it} (`Allocation.uniform`)
+    uniform: dict | None = None
+    #: a callable giving the module's weight at its cheapest rung (kept for a measured allocation)
+    probe: Callable[[], torch.Tensor] | None = None
 
 
 @dataclass
@@ -128,9 +146,10 @@ class Context:
     n_layers: int
     #: calibration statistics of the unit's modules ({name: ModuleStats}), when the method `needs` any
     stats: dict | None = None
-    #: the entry's global budget once allocated (``allocation.rungs``: {name: rung of the method's `ladder`}), else None
+    #: the entry's global budget: while its ladders are priced (``share``), and once allocated (``allocation.rungs``:
+    #: {name: rung of the method's `ladder`}); else None
     allocation: Allocation | None = None
-    #: the decoder-layer list itself, during compression (for a method that re-runs a block, e.g. the
+    #: the decoder-layer list itself, while pricing and compressing (for a method that re-runs a block, e.g. the
     #: attention around the projections it replaced); None while planning on the meta model
     layers: Any = None
 
@@ -232,12 +251,22 @@ class Method:
         """Statistics the `target` allocation reads (gathered in a first pass over the dense model)."""
         return frozenset()
 
-    def ladder(self, name: str, module: nn.Module, stats, entry, alloc: Allocation) -> tuple[list[float], list[float]]:
-        """The rungs a `target` allocation may choose from for one module: (costs, losses), see
-        `hf_tensorcomp.decompositions.allocation`; what a rung stands for, where its index is not enough, goes into
-        ``alloc.settings`` (and with ``alloc.measured`` the cheapest rung's weight into ``alloc.probes``). Rung ``j``
-        is what `compress` finds in ``ctx.allocation.rungs``."""
+    def ladder(self, name: str, module: nn.Module, stats, entry, ctx: Context) -> Ladder:
+        """The rungs a `target` allocation may choose from for one module (`Ladder`), priced on its statistics;
+        ``ctx``: the model's config, the decoder layers and the allocation so far (``ctx.allocation.share``). Rung
+        ``j`` is what `compress` finds in ``ctx.allocation.rungs``."""
         raise NotImplementedError
+
+    def table_ladder(self, name: str, head: nn.Module, stats, entry, ctx: Context, bits, group_size: int,
+                     copies: int) -> Ladder:
+        """The embedding table's rungs in a byte budget (``embedding_bits="auto"``): one per width of `bits`, in
+        groups of `group_size`, its loss that of the output `head` it is read as; `copies`: 2 for an untied head
+        stored beside it. Only methods with a byte budget (`byte_budget`) hold the table."""
+        raise NotImplementedError
+
+    def attach(self, model: nn.Module) -> None:
+        """Wire up what this method's modules need at run time beyond their weights (called after compression and
+        after every load, on any model: a no-op where none of its modules are)."""
 
     def targets_for(self, options: dict) -> tuple[str, ...]:
         return self.default_targets

@@ -41,7 +41,7 @@ from ..decompositions import relative_error, truncated_svd
 from ..decompositions.svd import whitened_spectrum, whitened_svd, whitening_factor
 from ..layers import LowRankLinear
 from ..validation import choices, fail, is_number, resolve_rank
-from .base import Method, register_method
+from .base import Ladder, Method, register_method
 
 WHITEN = (False, True, "cholesky", "asvd")
 ALLOCATIONS = ("global", "relative", "uniform")
@@ -142,7 +142,7 @@ class Laser(Method):
     def _output_weights(self, stats, entry):
         return stats.fisher.clamp_min(1e-30).sqrt() if entry.options["weighting"] else None
 
-    def ladder(self, name, module, stats, entry, alloc):
+    def ladder(self, name, module, stats, entry, ctx):
         d = self._output_weights(stats, entry)
         sv2 = whitened_spectrum(module.weight, self._scaling(stats, entry), d).pow(2)
         # loss unit: the loss itself (½ Fisher x squared output error) when known and asked for (allocation="global"),
@@ -155,7 +155,7 @@ class Laser(Method):
         tail = (sv2.flip(0).cumsum(0).flip(0) / total).tolist() + [0.0]  # tail[r] = loss at rank r
         pivoted = _pivoted(entry)
         ranks = range(1, _break_even(module, pivoted))
-        return [_cost(module, r, pivoted) for r in ranks] + [module.weight.numel()], [tail[r] for r in ranks] + [0.0]
+        return Ladder([_cost(module, r, pivoted) for r in ranks] + [module.weight.numel()], [tail[r] for r in ranks] + [0.0])
 
     def compress(self, modules, entry, ctx):
         out, pivoted = {}, _pivoted(entry)

@@ -205,7 +205,7 @@ class LatentKVCache(Cache):
         self.settings = {k: v if given[k] is None else given[k] for k, v in latent_settings(model).items()}
         if bits is not None and key_bits is None:  # one width given: both streams at it
             self.settings["key_bits"] = bits
-        _check_settings(self.settings, "LatentKVCache")
+        check_settings(self.settings, "LatentKVCache")
         self.token_positions = _Positions()
         self.layout = model_layout(model)  # what the cache is checked against where it is used (`check`)
         latent_sliding = {latent is not None for _, sliding, latent in self.layout if sliding is not None}
@@ -349,7 +349,7 @@ def latent_settings(model: nn.Module) -> dict:
 BITS_ALLOWED = BITS + (16,)  # the quantizer's widths, and 16: no codes
 
 
-def _check_settings(s: dict, who: str = "TensorCompressionConfig") -> None:
+def check_settings(s: dict, who: str = "TensorCompressionConfig") -> None:
     """Raise ValueError naming the first bad setting of `s`, as `who`'s field (the config's, or the cache's own)."""
     from ...validation import fail as named_fail, is_int, is_number
 

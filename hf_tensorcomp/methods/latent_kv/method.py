@@ -32,9 +32,9 @@ from ...decompositions import relative_error
 from ...decompositions.quantize import BITS
 from ...decompositions.svd import output_basis, whitening_factor
 from ...validation import fail, is_int, is_number, resolve_rank
-from ..base import Allocation, Context, Method, register_method, spec_fail
+from ..base import Allocation, Ladder, Method, register_method, spec_fail
 from ...layout import head_dim as _head_dim
-from .cache import BITS_ALLOWED, CACHE_DEFAULTS, _check_settings
+from .cache import BITS_ALLOWED, CACHE_DEFAULTS, check_settings
 from .layer import LatentKeyLinear, LatentKVLinear
 
 DEFAULT_KV_BYTES = 0.28  # every channel at 4 bits: the widths PyTorch's CPU int4 kernel reads in place
@@ -160,9 +160,9 @@ class LatentKV(Method):
             fail("kv_bytes", t, "None, or a float in (0, 1]: the fraction of a bfloat16 DynamicCache's bytes the latent "
                  "cache may hold")
         if o["bits"] is None:  # chosen later (`validate_rank`): the key width, when valid, stands in for the check
-            _check_settings({**o, "bits": o["key_bits"] if o["key_bits"] in BITS_ALLOWED else 4})
+            check_settings({**o, "bits": o["key_bits"] if o["key_bits"] in BITS_ALLOWED else 4})
         else:
-            _check_settings(o)
+            check_settings(o)
         if o["head_groups"] is not None and not is_int(o["head_groups"], 1):
             fail("head_groups", o["head_groups"], "None (one latent for all the KV heads of a layer) or an int >= 1 (KV "
                  "heads sharing one latent; it must divide the model's KV heads)")
@@ -216,7 +216,7 @@ class LatentKV(Method):
             options["bits"] = options["key_bits"]
         if options["key_bits"] is None:
             options["key_bits"] = options["bits"]
-        _check_settings(options)
+        check_settings(options)
 
     def validate_target(self, target, options):
         fail("target", target, "None: latent_kv's budget is kv_bytes= (a fraction of the bf16 KV-cache bytes)")
@@ -245,7 +245,6 @@ class LatentKV(Method):
     def check_unit(self, modules, entry, ctx):
         from ...layout import resolve_layers
 
-        self._config = ctx.config
         cfg, o = ctx.config, entry.options
         kv, d = cfg.num_key_value_heads, _head_dim(cfg)
         if o["head_groups"] is not None and kv % o["head_groups"]:
@@ -379,11 +378,10 @@ class LatentKV(Method):
         per = kv // groups
         return [torch.block_diag(*blocks[g * per:(g + 1) * per]) for g in range(groups)]
 
-    def ladder(self, name, module, stats, entry, alloc):
-        groups = self._groups(entry, self._config)
-        ctx = Context(config=self._config, prefix="", n_layers=0, layers=alloc.layers)
+    def ladder(self, name, module, stats, entry, ctx):
+        groups = self._groups(entry, ctx.config)
         metrics = self._metrics(name, module, stats, entry, ctx, groups)
-        bases = self._key_basis(name, module, stats, entry, groups, self._config, alloc.layers, metrics) \
+        bases = self._key_basis(name, module, stats, entry, groups, ctx.config, ctx.layers, metrics) \
             if self._rotated(name, entry) else self._basis(module, stats, entry, groups, metrics)
         spectra = [sv.pow(2) for _, sv in bases]
         total = float(sum(float(p.sum()) for p in spectra)) or 1.0
@@ -401,11 +399,9 @@ class LatentKV(Method):
             costs.append(costs[-1] + unit)
             losses.append(max(loss, 0.0) / total)
             settings.append(list(ranks))
-        alloc.settings[name] = settings
-        return costs, losses
+        return Ladder(costs, losses, settings=settings)
 
     def compress(self, modules, entry, ctx):
-        self._config = ctx.config
         groups = self._groups(entry, ctx.config)
         out = {}
         for name, lin in modules.items():
@@ -456,10 +452,7 @@ class LatentKV(Method):
                 "kv_fraction": round(sum(ranks) * value_bytes(stream_bits(name, entry.options), entry.options["group"])
                                      / (2 * lin.out_features), 6)}
 
-    def finish(self, model, entry, ctx, runner):
+    def attach(self, model):
         from .attention import enable
 
-        enable(model)
-        return None
-
-    _config = None  # the model's config, for `ladder` (which is not handed the context)
+        enable(model)  # latent k/v projections: their attention and cache (a no-op without them)

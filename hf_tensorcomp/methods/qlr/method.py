@@ -52,8 +52,8 @@ from ...decompositions.hadamard import rotate, rotate_gram, rotation_block, rota
 from ...decompositions.quantize import BITS, GRIDS, gptq_plan, quantize_gptq_widths, quantize_rtn, stored_bytes
 from ...decompositions.svd import EXACT_SPECTRUM, spectrum_tails, whitened_svd, whitening_factor
 from ...validation import choices, fail, is_int, is_number
-from ..base import Allocation, Method, register_method
-from .layer import QuantizedLowRankLinear
+from ..base import Allocation, Ladder, Method, register_method
+from .layer import QuantizedLowRankLinear, share_input_rotations
 
 QUANTIZERS = ("gptq", "rtn")
 ALLOCATIONS = ("auto", "relative", "size", "fisher", "measured")
@@ -274,7 +274,17 @@ class QuantizedLowRank(Method):
                     "out at this budget)")
         return ""
 
-    def ladder(self, name, module, stats, entry, alloc, bits=None, ranks=RANK_RUNGS, group_size=None, copies=1, table=False):
+    def attach(self, model):
+        share_input_rotations(model)  # q / k / v and gate / up rotate their common input once
+
+    def ladder(self, name, module, stats, entry, ctx):
+        return self._ladder(name, module, stats, entry, ctx.allocation)
+
+    def table_ladder(self, name, head, stats, entry, ctx, bits, group_size, copies):
+        return self._ladder(name, head, stats, entry, ctx.allocation, bits, (0,), group_size, copies, table=True)
+
+    def _ladder(self, name, module, stats, entry, alloc, bits=None, ranks=RANK_RUNGS, group_size=None, copies=1,
+                table=False) -> Ladder:
         """Rungs (bits, rank) on the Pareto front of (bytes, loss), costs in bf16 parameters (bytes / 2)
         so that the budget is `target_bytes` x the targeted parameters; the loss as ``allocation`` says.
         `bits`, `ranks`, `group_size` narrow the rungs (the embedding table: its own group size, no
@@ -305,10 +315,10 @@ class QuantizedLowRank(Method):
         else:
             ref = energy(w) / (w.numel() if how == "size" else 1)
         ranks = [r for r in ranks if r < min(w.shape) // 2]
-        points = []
+        points, probe = [], None
         for b, q in zip(bits, self._quantize_widths(w, bits, entry, plan, group_size, estimating=True, rot=rot)):
             if alloc.measured and b == bits[0]:  # the cheapest rung, for the measurement
-                alloc.probes[name] = partial(self._approx, q, rot)
+                probe = partial(self._approx, q, rot)
             err = w - self._approx(q, rot)
             # the squared (weighted) error each rank of correction leaves; rank 0 alone: the whole error, no SVD
             tails = spectrum_tails(weighted(err), ranks) if any(ranks) else [energy(err)] * len(ranks)
@@ -321,11 +331,11 @@ class QuantizedLowRank(Method):
         for cost, loss, setting in points:
             if not front or loss < front[-1][1]:
                 front.append((cost, loss, setting))
-        alloc.settings[name] = [p[2] for p in front]
         # each width with no correction, or the front's rung that costs no more and loses no more (the seed the
         # budget climbs from as well: it never ends below one width everywhere, where that fits)
-        alloc.uniform[name] = {s[0]: max(j for j, p in enumerate(front) if p[0] <= c) for c, _, s in points if s[1] == 0}
-        return [p[0] for p in front], [p[1] for p in front]
+        uniform = {s[0]: max(j for j, p in enumerate(front) if p[0] <= c) for c, _, s in points if s[1] == 0}
+        return Ladder([p[0] for p in front], [p[1] for p in front], settings=[p[2] for p in front], uniform=uniform,
+                      probe=probe)
 
     def compress(self, modules, entry, ctx):
         out = {}
