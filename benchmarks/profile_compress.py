@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import multiprocessing as mp
 import os
 import pstats
 import shutil
@@ -32,42 +33,41 @@ NAME = "profile_compress"
 ROOT = Path(__file__).resolve().parent.parent
 
 # (stage, function, caller or None): the function's cumulative time under that caller (or in all); disjoint
-STAGES = [
-    ("ladders: quantizer (GPTQ / RTN) per width", "_quantize", "ladder"),
-    ("ladders: error spectra (SVD) per width", "svdvals", "ladder"),
-    ("ladders: error energy, no correction", "energy", "ladder"),
-    ("ladders: GPTQ plan (inverse Gram)", "_plan", "ladder"),
-    ("ladders: whitening factor (Cholesky)", "_whitening", "ladder"),
-    ("LASER spectra (whitened SVD values)", "whitened_spectrum", None),
-    ("compress: GPTQ plan (inverse Gram)", "_plan", "fit"),
-    ("compress: quantizer (GPTQ / RTN)", "_quantize", "fit"),
-    ("compress: correction (whitened SVD)", "whitened_svd", "fit"),
-    ("compress: de-quantize (approx)", "_approx", "fit"),
-    ("compress: whitening factor (Cholesky)", "_whitening", "compress"),
-    ("compress: errors for the report", "_error", "compress"),
-    ("compress: layer build (pack, kernel layout)", "build", "compress"),
-    ("statistics (Gram hooks)", "hook", None),
-    ("embedding table (GPTQ of the head's inputs)", "quantize_embeddings", None),
-    ("embedding table's ladder", "_table_ladder", None),
-    ("Fisher (one backward pass)", "output_fisher", None),
-    ("loading the model", "from_pretrained", "load_model"),
-    ("streamed layer load", "_load", None),
-    ("streamed layer write", "_release", None),
-    ("saving", "save_pretrained", None),
+STAGES = [  # names before and after the change of issue 99 (`ladder` became `_ladder`; the widths swept together)
+    ("ladders: quantizer (GPTQ / RTN) per width", ("_quantize", "_quantize_widths"), ("ladder", "_ladder")),
+    ("ladders: error spectra (SVD) per width", ("svdvals", "spectrum_tails"), ("ladder", "_ladder")),
+    ("ladders: error energy, no correction", ("energy",), ("ladder", "_ladder")),
+    ("ladders: GPTQ plan (inverse Gram)", ("_plan",), ("ladder", "_ladder")),
+    ("ladders: whitening factor (Cholesky)", ("_whitening",), ("ladder", "_ladder")),
+    ("LASER spectra (whitened SVD values)", ("whitened_spectrum",), None),
+    ("compress: GPTQ plan (inverse Gram)", ("_plan",), ("fit",)),
+    ("compress: quantizer (GPTQ / RTN)", ("_quantize",), ("fit",)),
+    ("compress: correction (whitened SVD)", ("whitened_svd",), ("fit", "compress")),
+    ("compress: de-quantize (approx)", ("_approx",), ("fit",)),
+    ("compress: whitening factor (Cholesky)", ("_whitening",), ("compress",)),
+    ("compress: errors for the report", ("_error", "relative_error"), ("compress",)),
+    ("compress: layer build (pack, kernel layout)", ("build", "from_factors", "pivoted_from_factors"), ("compress",)),
+    ("statistics (Gram hooks)", ("hook",), None),
+    ("embedding table (GPTQ of the head's inputs)", ("quantize_embeddings", "quantize_table"), None),
+    ("embedding table's ladder", ("_table_ladder",), None),
+    ("Fisher (one backward pass)", ("output_fisher",), None),
+    ("loading the model", ("from_pretrained",), ("load_model",)),
+    ("streamed layer load", ("_load",), None),
+    ("streamed layer write", ("_release",), None),
+    ("saving", ("save_pretrained",), None),
 ]
 
 
-def _find(stats: pstats.Stats, func: str, caller: str | None) -> float:
+def _find(stats: pstats.Stats, funcs, callers) -> float:
     total = 0.0
-    for (path, _, name), (_, _, _, ct, callers) in stats.stats.items():
-        if not (name == func or name.endswith(f".{func}") or name.endswith(f" {func}>") or f"linalg_{func}" in name):
+    for (path, _, name), (_, _, _, ct, by) in stats.stats.items():
+        if not any(name == f or name.endswith(f" {f}>") or f"linalg_{f}" in name for f in funcs):
             continue
-        if "hf_tensorcomp" not in path and "~" != path and caller is None and func not in ("from_pretrained", "save_pretrained"):
-            continue
-        if caller is None:
-            total += ct
+        if callers is None:
+            if "hf_tensorcomp" in path or "transformers" in path:
+                total += ct
         else:
-            total += sum(v[3] for (_, _, cname), v in callers.items() if cname == caller)
+            total += sum(v[3] for (_, _, cname), v in by.items() if cname in callers)
     return total
 
 
@@ -75,7 +75,7 @@ def _stages(prof: Path, wall: float) -> dict:
     stats = pstats.Stats(str(prof))
     out = {label: round(_find(stats, f, c), 1) for label, f, c in STAGES}
     hooks = out["statistics (Gram hooks)"]
-    out["calibration forward (decoder layers, with hooks)"] = round(_find(stats, "_forward", "run") - hooks, 1)
+    out["calibration forward (decoder layers, with hooks)"] = round(_find(stats, ("_forward",), ("run",)) - hooks, 1)
     out["other (Python, checks, tokenizing, reports)"] = round(wall - sum(out.values()), 1)
     out["total (wall)"] = round(wall, 1)
     return out
@@ -91,19 +91,24 @@ def run(path: str, label: str, threads: int) -> dict:
             args = ["compress", "--recipe", str(work / "recipe.json"), "--out", str(work / "out"), "--no-eval", "--quiet"]
         else:
             shape = {**SHAPES["7b"], "num_hidden_layers": 1}
-            write_checkpoint(work / "src", shape)
+            writer = mp.get_context("spawn").Process(target=write_checkpoint, args=(work / "src", shape))
+            writer.start()  # in a process of its own: this one's memory starts where the compression does
+            writer.join()
             args = ["compress", str(work / "src"), "--stream", "--out", str(work / "out"), "--quiet", "--no-eval",
                     "--layers", "0", *PATHS[path]]
         import torch
 
         torch.set_num_threads(threads)
         from hf_tensorcomp import cli
+        from hf_tensorcomp.memory import PeakRSS
 
         prof = work / "run.prof"
-        t = time.perf_counter()
-        cProfile.runctx("rc = cli.main(args)", globals(), {"cli": cli, "args": args}, str(prof))
-        wall = time.perf_counter() - t
-        row = {"path": path, "label": label, "threads": threads, **_stages(prof, wall)}
+        with PeakRSS() as peak:
+            t = time.perf_counter()
+            cProfile.runctx("rc = cli.main(args)", globals(), {"cli": cli, "args": args}, str(prof))
+            wall = time.perf_counter() - t
+        row = {"path": path, "label": label, "threads": threads, **_stages(prof, wall),
+               "peak RSS above start (MB)": round(peak.above_start / 2**20)}
         report = json.loads((work / "out" / "config.json").read_text()).get("quantization_config", {}).get("stats", {})
         row["compress_seconds (report)"] = report.get("compress_seconds")
         keep = RESULTS / f"{NAME}_{path}_{label}.prof.txt"  # the top of the profile, for the record
@@ -121,7 +126,7 @@ def write(row: dict) -> None:
     stages = [k for k in row if k not in ("path", "label", "threads")]
     lines = ["# Where compression's seconds go", "", (__doc__ or "").split("\n\n")[1].replace("\n", " "), ""]
     for path in dict.fromkeys(r["path"] for r in rows):
-        mine = [r for r in rows if r["path"] == path]
+        mine = sorted((r for r in rows if r["path"] == path), key=lambda r: (r["label"] != "before", r["label"]))
         table = [{"stage": s, **{r["label"]: r.get(s) for r in mine}} for s in stages]
         lines += [f"## {path} ({mine[0]['threads']} threads)", "",
                   markdown_table(table, [("stage", "stage", "{}")] + [(r["label"], f"{r['label']} s", "{}") for r in mine]), ""]

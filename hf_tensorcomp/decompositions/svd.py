@@ -106,8 +106,8 @@ def _svd(m: torch.Tensor, rank: int, oversample: int = 16, power: int = 4, seed:
     """(U[:, :rank], singular values, Vh[:rank]) of `m` (float64), by the cheapest way that is exact enough:
     LAPACK's SVD up to `EXACT_SPECTRUM` singular values; above it, for a rank under a quarter of them, a randomized
     range finder (`spectrum_tails`' parameters; the values then only the top rank + `oversample`), else the
-    eigenvectors of the smaller Gram (float64: a direction is resolved down to σ ~ 1e-8 σ_max, far below any rank
-    kept), a third of the SVD's time on a 4096-wide matrix."""
+    eigenvectors of the smaller Gram in float32 (a third of float64's SVD's time on a 4096-wide matrix; directions
+    whose σ² are within float32's rounding of each other mix, which leaves the energy a rank captures as it was)."""
     small = min(m.shape)
     if small <= EXACT_SPECTRUM:
         U, S, Vh = torch.linalg.svd(m, full_matrices=False)
@@ -122,8 +122,9 @@ def _svd(m: torch.Tensor, rank: int, oversample: int = 16, power: int = 4, seed:
         U, S, Vh = torch.linalg.svd(q.T @ m, full_matrices=False)
         return (q @ U)[:, :rank], S, Vh[:rank]
     tall = m.shape[0] >= m.shape[1]
-    ev, vec = torch.linalg.eigh(m.T @ m if tall else m @ m.T)
-    S, vec = ev.flip(0).clamp_min(0).sqrt(), vec.flip(1)[:, :rank]
+    mf = m.float()
+    ev, vec = torch.linalg.eigh(mf.T @ mf if tall else mf @ mf.T)
+    S, vec = ev.double().flip(0).clamp_min(0).sqrt(), vec.double().flip(1)[:, :rank]
     other = m @ vec if tall else m.T @ vec  # U_r S_r (tall) or V_r S_r
     other = torch.where(S[:rank] > S[0] * 1e-12, other / S[:rank].clamp_min(1e-300), 0.0)
     return (other, S, vec.T) if tall else (vec, S, other.T)
@@ -146,12 +147,13 @@ def _weighted(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None) -
 
 def whitened_spectrum(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None = None) -> torch.Tensor:
     """Singular values (float64) of D W S (see `whitened_svd`; None on a side: no weighting there): above
-    `EXACT_SPECTRUM` of them, the square roots of the smaller Gram's eigenvalues (no vectors: a fraction of the SVD's
-    time)."""
+    `EXACT_SPECTRUM` of them, the square roots of the smaller Gram's eigenvalues in float32 (no vectors: a fraction of
+    the SVD's time; a value is off by about 1e-7 of the largest σ², which moves a tail sum by as little)."""
     m = _weighted(w, s, d)
     if min(m.shape) <= EXACT_SPECTRUM:
         return torch.linalg.svdvals(m)
-    return torch.linalg.eigvalsh(m.T @ m if m.shape[0] >= m.shape[1] else m @ m.T).flip(0).clamp_min(0).sqrt()
+    m = m.float()
+    return torch.linalg.eigvalsh(m.T @ m if m.shape[0] >= m.shape[1] else m @ m.T).double().flip(0).clamp_min(0).sqrt()
 
 
 EXACT_SPECTRUM = 1024  # `spectrum_tails`: the whole spectrum below this many singular values, the top ones above
