@@ -20,13 +20,14 @@ written (e.g. the main job's ``--out``), reloaded as a user reloads it: {"saved"
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (bench_main, bytes_read_per_token, child_setup, decode_tokens_per_s, interleaved,  # noqa: E402
+from common import (RESULTS, bench_main, bytes_read_per_token, child_setup, decode_tokens_per_s, interleaved,  # noqa: E402
                     markdown_table, per_model, read_bandwidth_gb_s, set_threads, thread_count)
 from hf_tensorcomp.decompositions.quantize import BITS  # noqa: E402  (every width)
 from hf_tensorcomp.eval.memory import held_bytes  # noqa: E402
@@ -215,6 +216,18 @@ def report(rows: list[dict]) -> str:
                     row.update({f"t{n}": v, f"x32_{n}": ratio("fp32"), f"x16_{n}": ratio("bf16"),
                                 f"lim_{n}": v * row["read"] / 1e3 / bw if v and bw and row["read"] else None})
                 table.append(row)
+        peer = RESULTS / "decode_speed_llamacpp.json"  # the CPU engine a user picks instead (gguf_llamacpp.py --bundled)
+        if peer.exists() and json.loads(peer.read_text()).get("model") == model:
+            rows_ = json.loads(peer.read_text())["rows"]
+            mb = rows_[0]["file_bytes"] / 1e6
+            row = {"row": rows_[0]["row"] + ", run after this table's", "held": mb, "read": mb}
+            for n in counts:
+                v = next((r["tok_s"] for r in rows_ if r["threads"] == n), None)
+                bw = dense.get("bandwidth_gb_s", {}).get(str(n))
+                row.update({f"t{n}": v, f"x32_{n}": v / dense[f"tok_s_fp32_t{n}"] if v and f"tok_s_fp32_t{n}" in dense else None,
+                            f"x16_{n}": v / dense[f"tok_s_bf16_t{n}"] if v and f"tok_s_bf16_t{n}" in dense else None,
+                            f"lim_{n}": v * mb / 1e3 / bw if v and bw else None})
+            table.append(row)
         cols = [("row", "row", "{}"), ("held", "MB held after generate", "{:.1f}"), ("read", "MB read a token", "{:.1f}")]
         for n in counts:
             t = f"{n} thread{'s' * (n > 1)}"

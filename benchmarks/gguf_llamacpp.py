@@ -15,6 +15,12 @@ threads. Writes ``results/gguf_llamacpp.json`` and ``.md`` (with the export's re
     python benchmarks/gguf_llamacpp.py out/smollm2-qlr            # a folder saved by save_pretrained
     python benchmarks/gguf_llamacpp.py out/smollm2-qlr --max-tokens 4096 --threads 4
     python benchmarks/gguf_llamacpp.py --report-only
+    python benchmarks/gguf_llamacpp.py --bundled smollm2 --threads-list 1 2   # the peer row of decode_speed.py
+
+``--bundled MODEL``: llama.cpp decoding the bundled GGUF file itself (SmolLM2: Q4_1, the file the dense model is
+de-quantized from, so its quality is the dense model's) with `decode_speed.py`'s prompt and token counts (64 + 64,
+median of 3 after a warm-up) at each thread count, its bytes (the file) and its speed; written to
+``results/decode_speed_llamacpp.json`` / ``.md``, read by ``decode_speed.py``'s report as the CPU engine's row.
 """
 
 from __future__ import annotations
@@ -147,6 +153,26 @@ def report(result: dict) -> str:
             + "\n".join(f"- {line}" for line in result["export_report"]) + "\n")
 
 
+def bundled(model: str, threads: list[int], new_tokens: int, prompt_tokens: int) -> dict:
+    from llama_cpp import Llama
+    from transformers import AutoTokenizer
+
+    from hf_tensorcomp.assets import gguf_path, model_path
+
+    path = gguf_path(model)
+    tok = AutoTokenizer.from_pretrained(model_path(model))
+    rows = []
+    for n in threads:
+        llm = Llama(model_path=str(path), n_ctx=prompt_tokens + new_tokens + 8, n_threads=n, n_threads_batch=n,
+                    verbose=False)
+        rows.append({"row": f"llama.cpp ({path.name})", "model": model, "threads": n, "cpu": cpu_kind(),
+                     "file_bytes": path.stat().st_size,
+                     "tok_s": llama_cpp_decode(llm, tok, new_tokens, prompt_tokens=prompt_tokens)})
+        print(rows[-1], flush=True)
+        del llm
+    return {"model": model, "new_tokens": new_tokens, "prompt_tokens": prompt_tokens, "rows": rows}
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", nargs="?", help="a qlr checkpoint (rotate=False) saved by the library, with its tokenizer")
@@ -154,7 +180,20 @@ if __name__ == "__main__":
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--bundled", help="smollm2 | gemma3: decode the bundled GGUF file (decode_speed.py's peer row)")
+    ap.add_argument("--threads-list", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--prompt-tokens", type=int, default=64)
     args = ap.parse_args()
+    if args.bundled:
+        result = bundled(args.bundled, args.threads_list, args.new_tokens, args.prompt_tokens)
+        write_json("decode_speed_llamacpp.json", result)
+        (RESULTS / "decode_speed_llamacpp.md").write_text(
+            f"# llama.cpp decoding the bundled {args.bundled} GGUF file\n\nGreedy, batch 1, {args.prompt_tokens}-token prompt "
+            f"(held-out Wikipedia), {args.new_tokens} new tokens, median of 3 after a warm-up. Written by "
+            "benchmarks/gguf_llamacpp.py --bundled.\n\n" + markdown_table(result["rows"], [
+                ("row", "row", "{}"), ("threads", "threads", "{}"), ("file_bytes", "bytes", "{:,}"),
+                ("tok_s", "decode tok/s", "{:.1f}")]) + "\n")
+        sys.exit(0)
     if args.report_only:
         result = json.loads((RESULTS / f"{NAME}.json").read_text())
     else:

@@ -194,6 +194,8 @@ ROWS["qlr_bytes_0.21_measured_mix_c128"] = {**ROWS["qlr_bytes_0.21_measured_mix"
 # 32 windows that were the default before)
 ROWS["qlr_bytes_0.27_defaults"] = {"method": "qlr", "target_bytes": 0.27, "calibration": None, "calibration_samples": None}
 ROWS["qlr4_r0_defaults"] = {"method": "qlr", "bits": 4, "rank": 0, "calibration": None, "calibration_samples": None}
+# the serving profile: the widths vLLM's kernels serve (4 and 8 bits) and the rotation compressed-tensors writes
+ROWS["qlr_bytes_0.27_vllm_defaults"] = {**ROWS["qlr_bytes_0.27_defaults"], "bit_choices": [4, 8]}
 ROWS["qlr_bytes_0.27_defaults_c32"] = {**ROWS["qlr_bytes_0.27_defaults"], "calibration_samples": 32}
 ROWS["qlr4_r0_defaults_c32"] = {**ROWS["qlr4_r0_defaults"], "calibration_samples": 32}
 

@@ -80,12 +80,13 @@ def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return flat.reshape(-1, group_size)
 
 
-def _grid(w: torch.Tensor, bits: int, shrink: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _grid(w: torch.Tensor, bits: int, shrink=1.0, lo=None, hi=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `w` (groups x group_size): the asymmetric min-max scale and integer zero point (of the range
-    shrunk by `shrink`: that of ``w * shrink``)."""
+    shrunk by `shrink`, a number or one per row: that of ``w * shrink``; `lo` / `hi`: the rows' clamped minima
+    and maxima, when already known)."""
     top = 2**bits - 1
-    lo = w.amin(1).clamp(max=0) * shrink
-    hi = w.amax(1).clamp(min=0) * shrink
+    lo = (w.amin(1).clamp(max=0) if lo is None else lo) * shrink
+    hi = (w.amax(1).clamp(min=0) if hi is None else hi) * shrink
     scale = ((hi - lo) / top).clamp(min=1e-8)
     zero = (-lo / scale).round().clamp(0, top)
     # the integer zero shifts the grid by up to half a step: widen the step so both ends stay within
@@ -117,13 +118,16 @@ def _search_grid(w: torch.Tensor, bits: int, norm: float = 2.4, chunk: int = 1 <
     step = max(1, chunk // max(w.shape[1], 1))
     for r0 in range(0, w.shape[0], step):
         x = w[r0: r0 + step]
-        buf = torch.empty_like(x)
+        u, e = torch.empty_like(x), torch.empty_like(x)
+        lo, hi = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
         best = None
 
         def trial(k):  # k: an index into SHRINKS, for all rows or per row
-            scale, zero = _grid(x, bits, shrinks[k] if isinstance(k, torch.Tensor) else SHRINKS[k])
-            torch.div(x, scale[:, None], out=buf).round_().add_(zero[:, None]).clamp_(0, 2**bits - 1)
-            err = buf.sub_(zero[:, None]).mul_(scale[:, None]).sub_(x).abs_().pow_(norm).sum(1)
+            scale, zero = _grid(x, bits, shrinks[k] if isinstance(k, torch.Tensor) else SHRINKS[k], lo, hi)
+            # Σ |(q - z) s - w|^norm = s^norm Σ |q - z - w / s|^norm
+            torch.div(x, scale[:, None], out=u)
+            torch.round(u, out=e).add_(zero[:, None]).clamp_(0, 2**bits - 1).sub_(zero[:, None]).sub_(u)
+            err = e.abs_().pow_(norm).sum(1) * scale.pow(norm)
             k = k if isinstance(k, torch.Tensor) else torch.full_like(err, k, dtype=torch.long)
             nonlocal best
             if best is None:
