@@ -237,10 +237,23 @@ class QuantizedLowRank(Method):
         """Q's de-quantized value in the input's own space."""
         return q.dequantize() if rot is None else unrotate(q.dequantize(), *rot)
 
-    def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s, rot=None) -> tuple:
-        """(QTensor, A, B) for one matrix: quantize, fit the correction, alternate."""
+    def _derived(self, made: list, stats, entry, rot, device):
+        """(whitening factor, GPTQ plan) of a matrix, taken from the matrix before it when that one reads the same input
+        (q / k / v, gate / up, named in that order: an equal Gram and the same rotation), else made and kept in `made`
+        in its place (one matrix's at a time: a 7B down_proj's are 2 GB)."""
+        gram = None if stats is None else stats.gram
+        for g, r, s, plan in made:
+            if (gram is not None and g.shape == gram.shape and (r is None) == (rot is None)
+                    and (r is None or (r[1] == rot[1] and torch.equal(r[0], rot[0]))) and torch.equal(g, gram)):
+                return s, plan
+        s, plan = self._whitening(stats, entry), self._plan(stats, entry, rot, device)
+        made[:] = [(gram, rot, s, plan)] if gram is not None else []
+        return s, plan
+
+    def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s, rot=None, plan=None) -> tuple:
+        """(QTensor, A, B) for one matrix: quantize, fit the correction, alternate (`plan`: GPTQ's, if made)."""
         w = w.detach().float()
-        plan = self._plan(stats, entry, rot, w.device)
+        plan = self._plan(stats, entry, rot, w.device) if plan is None else plan
         q = self._quantize(w, bits, entry, plan, rot=rot)
         a = b = None
         for k in range(1 + entry.options["rounds"] if rank else 0):
@@ -338,16 +351,16 @@ class QuantizedLowRank(Method):
                       probe=probe)
 
     def compress(self, modules, entry, ctx):
-        out = {}
+        out, made = {}, []  # made: (Gram, rotation, whitening, plan) of this unit's matrices so far
         for name, lin in modules.items():
             stats = (ctx.stats or {}).get(name)
             if ctx.allocation is not None:
                 bits, rank = ctx.allocation.settings[name][ctx.allocation.rungs[name]]
             else:
                 bits, rank = entry.options["bits"], min(entry.rank, min(lin.weight.shape))
-            s = self._whitening(stats, entry)
             rot = self._rotation(lin.in_features, entry, lin.weight.device)
-            q, a, b = self.fit(lin.weight, bits, rank, entry, stats, s, rot)
+            s, plan = self._derived(made, stats, entry, rot, lin.weight.device)
+            q, a, b = self.fit(lin.weight, bits, rank, entry, stats, s, rot, plan)
             bias = None if lin.bias is None else lin.bias.detach()
             new = QuantizedLowRankLinear.build(q, a, b, bias, lin.weight.dtype, rotation=rot)
             w = lin.weight.detach().float()
