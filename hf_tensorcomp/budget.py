@@ -155,6 +155,7 @@ def _ladders(m, entry, ctx, stats: dict, what: str) -> dict:
     every rank prices every module: the probes it keeps are functions). Each module's entry of `stats` is set to
     None once its ladder is priced, so that a layer's statistics are not all held to the end."""
     group = distributed.group()
+    ctx = replace(ctx, scratch=[])  # this layer's, dropped with it
 
     def price(n):
         out = m.ladder(n, ctx.layers.get_submodule(n), stats[n], entry, ctx)

@@ -152,6 +152,9 @@ class Context:
     #: the decoder-layer list itself, while pricing and compressing (for a method that re-runs a block, e.g. the
     #: attention around the projections it replaced); None while planning on the meta model
     layers: Any = None
+    #: a list the budget room hands the ladders of one decoder layer, in turn: what a module's ladder made that the
+    #: next one may reuse (qlr: q / k / v read one input, so one whitening factor and one GPTQ plan); None elsewhere
+    scratch: list | None = None
 
 
 class Method:

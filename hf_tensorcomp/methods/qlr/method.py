@@ -66,13 +66,21 @@ RANK_RUNGS = (0, 8, 16, 32, 64, 128, 256)
 DEFAULT_BITS = tuple(b for b in BITS if b != 2)
 
 
-def _error(w: torch.Tensor, approx: torch.Tensor, s: torch.Tensor | None) -> float:
-    """Relative (whitened, if `s`) error of `approx` against `w`."""
-    d, w = (w - approx).float(), w.float()
-    if s is not None:
-        s = s.float()
-        return float((d @ s).norm() / (w @ s).norm().clamp_min(1e-30))
-    return float(d.norm() / w.norm().clamp_min(1e-30))
+def _errors(w: torch.Tensor, layer, s: torch.Tensor | None) -> dict:
+    """The report's errors of a built layer against `w` (float32): ``rel_error`` ‖W - W'‖ / ‖W‖, ``whitened_error``
+    ‖(W - W') S‖ / ‖W S‖ and ``quant_only_error`` the same without the correction (plain, without `s`), W' = Q + B A
+    as stored. Two products of an input-sized width, E S and W S (E = W - Q): (E - B A) S = E S - B (A S)."""
+    w = w.detach().float()
+    e = w - layer.base_weight().detach().float()
+    a, b = (layer.lora_A.detach().float(), layer.lora_B.detach().float()) if layer.rank else (None, None)
+    full = e if a is None else e - b @ a
+    out = {"rel_error": float(full.norm() / w.norm().clamp_min(1e-30))}
+    if s is None:
+        return {**out, "whitened_error": None, "quant_only_error": float(e.norm() / w.norm().clamp_min(1e-30))}
+    s = s.float()
+    es, ws = e @ s, (w @ s).norm().clamp_min(1e-30)
+    fs = es if a is None else es - b @ (a @ s)
+    return {**out, "whitened_error": float(fs.norm() / ws), "quant_only_error": float(es.norm() / ws)}
 
 
 @register_method
@@ -237,17 +245,20 @@ class QuantizedLowRank(Method):
         """Q's de-quantized value in the input's own space."""
         return q.dequantize() if rot is None else unrotate(q.dequantize(), *rot)
 
-    def _derived(self, made: list, stats, entry, rot, device):
+    def _derived(self, made: list | None, stats, entry, rot, device, estimating=False):
         """(whitening factor, GPTQ plan) of a matrix, taken from the matrix before it when that one reads the same input
         (q / k / v, gate / up, named in that order: an equal Gram and the same rotation), else made and kept in `made`
         in its place (one matrix's at a time: a 7B down_proj's are 2 GB)."""
         gram = None if stats is None else stats.gram
+        made = [] if made is None else made
         for g, r, s, plan in made:
             if (gram is not None and g.shape == gram.shape and (r is None) == (rot is None)
                     and (r is None or (r[1] == rot[1] and torch.equal(r[0], rot[0]))) and torch.equal(g, gram)):
                 return s, plan
-        s, plan = self._whitening(stats, entry), self._plan(stats, entry, rot, device)
-        made[:] = [(gram, rot, s, plan)] if gram is not None else []
+        made.clear()  # the previous matrix's, freed before this one's are made
+        s, plan = self._whitening(stats, entry), self._plan(stats, entry, rot, device, estimating)
+        if gram is not None:
+            made.append((gram, rot, s, plan))
         return s, plan
 
     def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s, rot=None, plan=None) -> tuple:
@@ -291,13 +302,13 @@ class QuantizedLowRank(Method):
         share_input_rotations(model)  # q / k / v and gate / up rotate their common input once
 
     def ladder(self, name, module, stats, entry, ctx):
-        return self._ladder(name, module, stats, entry, ctx.allocation)
+        return self._ladder(name, module, stats, entry, ctx.allocation, made=ctx.scratch)
 
     def table_ladder(self, name, head, stats, entry, ctx, bits, group_size, copies):
         return self._ladder(name, head, stats, entry, ctx.allocation, bits, (0,), group_size, copies, table=True)
 
     def _ladder(self, name, module, stats, entry, alloc, bits=None, ranks=RANK_RUNGS, group_size=None, copies=1,
-                table=False) -> Ladder:
+                table=False, made=None) -> Ladder:
         """Rungs (bits, rank) on the Pareto front of (bytes, loss), costs in bf16 parameters (bytes / 2)
         so that the budget is `target_bytes` x the targeted parameters; the loss as ``allocation`` says.
         `bits`, `ranks`, `group_size` narrow the rungs (the embedding table: its own group size, no
@@ -305,12 +316,11 @@ class QuantizedLowRank(Method):
         untied head beside its table); `table`: the embedding table (looked up, never rotated)."""
         bits = bits or entry.options["bit_choices"] or self._default_bits(entry, alloc.share)
         group_size = group_size or entry.group_size
-        s = self._whitening(stats, entry)
         how = entry.options["allocation"]
         d = stats.fisher.clamp_min(0).sqrt().double() if how in ("fisher", "measured") else None
         w = module.weight.detach().float()
         rot = None if table else self._rotation(w.shape[1], entry, w.device)
-        plan = self._plan(stats, entry, rot, w.device, estimating=True)
+        s, plan = self._derived(made, stats, entry, rot, w.device, estimating=True)  # shared by q / k / v, gate / up
 
         wide = min(w.shape) > EXACT_SPECTRUM  # float32 products where the spectrum is estimated anyway
         s_ = None if s is None else s.float() if wide else s
@@ -363,10 +373,6 @@ class QuantizedLowRank(Method):
             q, a, b = self.fit(lin.weight, bits, rank, entry, stats, s, rot, plan)
             bias = None if lin.bias is None else lin.bias.detach()
             new = QuantizedLowRankLinear.build(q, a, b, bias, lin.weight.dtype, rotation=rot)
-            w = lin.weight.detach().float()
-            approx = new.dense_weight().detach().float()
-            out[name] = (new, {"bits": bits, "rank": rank, "group_size": entry.group_size,
-                               "rel_error": round(_error(w, approx, None), 6),
-                               "whitened_error": round(_error(w, approx, s), 6) if s is not None else None,
-                               "quant_only_error": round(_error(w, self._approx(q, rot), s), 6)})
+            errors = {k: None if v is None else round(v, 6) for k, v in _errors(lin.weight, new, s).items()}
+            out[name] = (new, {"bits": bits, "rank": rank, "group_size": entry.group_size, **errors})
         return out
