@@ -240,7 +240,7 @@ def test_llama_and_tokenizer_metadata(exported, llama_dirs):
     assert f("general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_1
     tok = PreTrainedTokenizerFast.from_pretrained(llama_dirs["tied"])
     vocab = tok.get_vocab()
-    assert f("tokenizer.ggml.model") == "gpt2" and f("tokenizer.ggml.pre") == "gpt2"
+    assert f("tokenizer.ggml.model") == "gpt2" and f("tokenizer.ggml.pre") == "gpt-2"
     assert f("tokenizer.ggml.tokens") == sorted(vocab, key=vocab.get)
     assert f("tokenizer.ggml.token_type")[:4] == [3, 3, 3, 1]
     assert f("tokenizer.ggml.merges")[:2] == ["Ġ a", "Ġ b"] and len(f("tokenizer.ggml.merges")) == 71
@@ -368,7 +368,7 @@ def test_pre_tokenizer_names_llama_cpp_knows():
     from hf_tensorcomp.integration.export_gguf import pre_tokenizer_name
 
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
-    assert pre_tokenizer_name(byte_level) == "gpt2"
+    assert pre_tokenizer_name(byte_level) == "gpt-2"
     assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [
         {"type": "Digits", "individual_digits": True}, byte_level]}) == "smollm"
     assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [

@@ -144,7 +144,7 @@ def pre_tokenizer_name(spec) -> str | None:
         return p and p.get("type") == "ByteLevel" and p.get("use_regex", True)
 
     if byte_level(spec):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name (LLAMA_VOCAB_PRE_TYPE_GPT2); "gpt2" is refused by its loader
     if spec and spec.get("type") == "Sequence":
         steps = spec.get("pretokenizers", [])
         if (len(steps) == 2 and steps[0].get("type") == "Digits" and steps[0].get("individual_digits")
