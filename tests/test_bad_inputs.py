@@ -662,7 +662,10 @@ def test_qlr_checkpoint_config_fields_bounded_before_any_allocation(tiny_dirs, t
 # ---------------------------------------------------------------- third round: the CLI's expected failures, recipes
 _CHILD = "import sys; from hf_tensorcomp.cli import main; sys.exit(main(sys.argv[1:]))"
 # the same CLI, interrupted (a real SIGINT to itself) once the first unit's factors are checked: a run mid-way
-_INTERRUPTED = ("import os, signal, sys; from hf_tensorcomp import checks; real = checks.check_outputs\n"
+# (SIGINT's default handler set first: a job started in the background of a non-interactive shell, as CI may start the
+# tests, inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it)
+_INTERRUPTED = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                "from hf_tensorcomp import checks; real = checks.check_outputs\n"
                 "def hit(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT); return real(*a, **k)\n"
                 "checks.check_outputs = hit\n" + _CHILD)
 
