@@ -182,8 +182,7 @@ def spectrum_tails(m: torch.Tensor, ranks, oversample: int = 16, power: int = 4,
         for _ in range(power):
             q = torch.linalg.qr(mf @ torch.linalg.qr(mf.T @ q).Q).Q
         sv2 = torch.linalg.svdvals((q.T @ mf).double()).pow(2)
-        total = float(mf.double().pow(2).sum()) if mf.numel() < 1 << 26 else float(sum(
-            r.double().pow(2).sum() for r in mf.split(1 << 12)))
+        total = float(sum(r.double().pow(2).sum() for r in mf.split(1 << 12)))  # rows a block at a time
     head = torch.cat([sv2.new_zeros(1), sv2.cumsum(0)]).tolist()
     return [max(total - head[min(r, len(head) - 1)], 0.0) for r in ranks]
 
