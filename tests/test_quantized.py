@@ -143,6 +143,11 @@ def test_correction_is_the_whitened_closed_form_and_lowers_the_error(tiny_dirs):
     assert torch.allclose(layer.lora_B @ layer.lora_A, u @ v, atol=1e-5)
     st = m.config.quantization_config.stats["modules"]["model.layers.0.mlp.up_proj"]
     assert st["whitened_error"] < st["quant_only_error"]
+    # the report's whitened errors (from the fit's own energies) are the products' (a wrong residual breaks this)
+    ws = (w.double() @ s).norm()
+    e = (w - q).double()
+    assert st["quant_only_error"] == pytest.approx(float((e @ s).norm() / ws), rel=1e-4)
+    assert st["whitened_error"] == pytest.approx(float(((e - (u @ v).double()) @ s).norm() / ws), rel=1e-4)
 
 
 @pytest.mark.parametrize("allocation, kw", [("relative", {}), ("size", {}), ("fisher", {}),
@@ -986,7 +991,7 @@ def test_a_byte_budget_never_loses_to_one_width_everywhere(tiny_dirs, monkeypatc
 
 
 @pytest.mark.parametrize("act_order", [True, False])
-def test_gptq_widths_together_give_each_widths_codes_and_its_exact_output_error(data, act_order):
+def test_gptq_widths_together_give_each_widths_codes_and_its_whitened_error(data, act_order):
     """The ladder's sweep of several widths at once: the codes of one call per width, and per row the output error
     on the plan's damped Gram, (w - q) H (w - q)ᵀ, from the sweep itself (W - Q = Err U)."""
     from hf_tensorcomp.decompositions.quantize import quantize_gptq_widths
@@ -996,12 +1001,15 @@ def test_gptq_widths_together_give_each_widths_codes_and_its_exact_output_error(
     plan = gptq_plan(gram, 0.01, act_order)
     h = gram.clone()
     h.diagonal().add_(0.01 * h.diagonal().mean())
-    together = quantize_gptq_widths(w, [3, 4, 8], 32, "search", plan)
-    for bits, (q, loss) in zip([3, 4, 8], together):
+    together = quantize_gptq_widths(w, [3, 4, 8], 32, "search", plan, errors=torch.float32)
+    for bits, (q, err) in zip([3, 4, 8], together):
         alone = quantize_gptq(w, None, bits, 32, grid="search", plan=plan)
         assert torch.equal(q.codes, alone.codes) and torch.equal(q.scale, alone.scale) and torch.equal(q.zero, alone.zero)
         d = w.double() - q.dequantize().double()
-        assert torch.allclose(loss.double(), (d @ h * d).sum(1), rtol=1e-3 if bits < 8 else 2e-2)  # float32 sweep
+        assert torch.allclose(err.double().pow(2).sum(1), (d @ h * d).sum(1), rtol=1e-3 if bits < 8 else 2e-2)  # float32
+        # Err is (W - Q) whitened by the plan's Gram: the same singular values as (W - Q) S for any S Sᵀ = H
+        s = torch.linalg.cholesky(h)
+        assert torch.allclose(torch.linalg.svdvals(err.double()), torch.linalg.svdvals(d @ s), rtol=2e-3 if bits < 8 else 3e-2)
 
 
 def test_search_grid_coarse_to_fine_finds_the_best_of_all_factors_where_there_is_one_minimum(data):

@@ -233,12 +233,14 @@ def quantize_gptq(w: torch.Tensor, gram: torch.Tensor | None, bits: int, group_s
     return quantize_gptq_widths(w, [bits], group_size, grid, plan)[0][0]
 
 
-def quantize_gptq_widths(w: torch.Tensor, widths, group_size: int, grid: str, plan: tuple) -> list[tuple[QTensor, torch.Tensor]]:
-    """`quantize_gptq` of `w` at each width of `widths` (one plan): [(QTensor, per-row loss)], the loss of row r the
-    squared output error GPTQ left there on the plan's damped Gram H, Σ_j err_j² = (w - q) H (w - q)ᵀ exactly (W - Q
-    = Err U with H⁻¹ = Uᵀ U, so (W - Q) H (W - Q)ᵀ = Err Errᵀ): a byproduct of the sweep, no extra product. With
-    static groups (the plan's order, ``act_order=True``) the widths are swept together, their rows stacked (rows are
-    independent: the same codes as one call per width, a column's Python work shared)."""
+def quantize_gptq_widths(w: torch.Tensor, widths, group_size: int, grid: str, plan: tuple,
+                         errors: torch.dtype | None = None) -> list[tuple[QTensor, torch.Tensor | None]]:
+    """`quantize_gptq` of `w` at each width of `widths` (one plan): [(QTensor, Err)]. With `errors` (a dtype) Err is
+    GPTQ's scaled error (out x in, that dtype, its columns in the plan's order), whitened by the plan itself: W - Q =
+    Err U with H⁻¹ = Uᵀ U (H the plan's damped Gram), so Err = (W - Q) U⁻¹ and U⁻¹ U⁻ᵀ = H: ‖Err‖ and its singular
+    values are those of (W - Q) S for any S Sᵀ = H — a byproduct of the sweep (held in the working copy's place), no
+    product; else None. With static groups (the plan's order, ``act_order=True``) the widths are swept together, their
+    rows stacked (rows are independent: the same codes as one call per width, a column's Python work shared)."""
     for bits in widths:
         if bits not in BITS:
             raise ValueError(f"bits: got {bits!r}; allowed: {' | '.join(map(str, BITS))}")
@@ -262,29 +264,38 @@ def quantize_gptq_widths(w: torch.Tensor, widths, group_size: int, grid: str, pl
                 grids = [grid_for(g, b, grid) for b in ws]
                 static = tuple(torch.cat([t[k].view(rows.shape[0], -1) for t in grids]) for k in range(2))
             top = torch.tensor([2**b - 1 for b in ws], dtype=torch.float32, device=w.device).repeat_interleave(rows.shape[0])
-            stacked = rows.detach().float().repeat(len(ws), 1) if len(ws) > 1 else rows
-            parts.append(_gptq_rows(stacked, Hinv, top, group_size, grid, static, perm, bits=ws[0]))
+            *made, err = _gptq_rows(rows, Hinv, top, group_size, grid, static, perm, bits=ws[0], copies=len(ws))
+            parts.append((*made, None if errors is None else err.to(errors)))
+            del err
         for k, bits in enumerate(ws):  # the rows of width `bits` out of each block's stack
-            mine = [tuple(t.view(len(ws), -1, *t.shape[1:])[k] for t in p) for p in parts]
-            codes, scales, zeros, loss = (torch.cat([m[j] for m in mine]) for j in range(4))
+            mine = [tuple(None if t is None else t.view(len(ws), -1, *t.shape[1:])[k] for t in p) for p in parts]
+            codes, scales, zeros = (torch.cat([m[j] for m in mine]) for j in range(3))
+            err = None if errors is None else torch.cat([m[3] for m in mine])
             results.append((QTensor(codes.reshape(-1), scales.reshape(-1), zeros.reshape(-1), bits, group_size, (out_f, in_f)),
-                            loss))
+                            err))
+        del parts
     order = [b for ws in together for b in ws]
     return [results[order.index(b)] for b in widths]
 
 
 def _gptq_rows(w: torch.Tensor, Hinv: torch.Tensor, top: torch.Tensor, group_size: int, grid: str,
-               static: tuple | None = None, perm: torch.Tensor | None = None, bits: int = 4):
+               static: tuple | None = None, perm: torch.Tensor | None = None, bits: int = 4, copies: int = 1):
     """`quantize_gptq` on a block of rows, given the upper Cholesky factor of the damped inverse Gram
-    (of the permuted Gram, with `perm`; float32): (codes uint8, scales float16, zero points uint8, per-row loss), each
-    (rows, ...). `top`: each row's largest code (rows of several widths swept together need `static`); `bits`: the width
-    of grids made on the way (no `static`). `static`: (scales, zeros) per (row, group) fixed beforehand (act order);
-    `perm`: the order the columns are quantized in (codes come back in the original order). The weights are held
-    transposed (a column contiguous) and worked in blocks of columns: within a block each column's error goes to the
-    block's later columns (one rank-1 update), then to all later columns at once (one product)."""
-    out_f, in_f = w.shape
+    (of the permuted Gram, with `perm`; float32): (codes uint8, scales float16, zero points uint8, Err float32: GPTQ's
+    scaled errors, columns in the order quantized), each (copies x rows, ...). `copies`: the rows swept that many
+    times at once, stacked (one per width; `top`: each stacked row's largest code; several need `static`); `bits`: the
+    width of grids made on the way (no `static`). `static`: (scales, zeros) per (row, group) fixed beforehand (act
+    order); `perm`: the order the columns are quantized in (codes come back in the original order). The weights are
+    held transposed (a column contiguous) and worked in blocks of columns: within a block each column's error goes to
+    the block's later columns (one rank-1 update), then to all later columns at once (one product); a quantized column
+    keeps its scaled error in its place."""
     W = w.detach().float().t()
-    W = W[perm] if perm is not None else W.clone(memory_format=torch.contiguous_format)  # (in, rows), contiguous
+    W = W[perm] if perm is not None else W
+    if copies > 1:
+        W = W.repeat(1, copies)
+    elif perm is None or not W.is_contiguous():
+        W = W.clone(memory_format=torch.contiguous_format)  # (in, rows), contiguous, never the caller's
+    in_f, out_f = W.shape
     group = ((perm if perm is not None else torch.arange(in_f, device=W.device)) // group_size).tolist()  # each column's group
     codes = torch.empty(in_f, out_f, dtype=torch.uint8, device=W.device)
     if static is not None:
@@ -292,15 +303,13 @@ def _gptq_rows(w: torch.Tensor, Hinv: torch.Tensor, top: torch.Tensor, group_siz
     else:
         scales = torch.zeros(-(-in_f // group_size), out_f, dtype=torch.float32, device=W.device)
         zeros = torch.zeros_like(scales)
-    loss = torch.zeros(out_f, dtype=torch.float32, device=W.device)
     diag = Hinv.diagonal().tolist()
     # whole groups per block where grids are made on the way (a group's grid sees its updated weights)
     block = 32 if static is not None else group_size * max(1, 128 // group_size)
-    q, err = torch.empty(out_f, device=W.device), torch.empty(out_f, device=W.device)
+    q, deq = torch.empty(out_f, device=W.device), torch.empty(out_f, device=W.device)
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
         W1, Hinv1 = W[i1:i2], Hinv[i1:i2, i1:i2]
-        Err1 = torch.empty(i2 - i1, out_f, device=W.device)
         for i in range(i2 - i1):
             col = i1 + i
             g = group[col]
@@ -311,16 +320,15 @@ def _gptq_rows(w: torch.Tensor, Hinv: torch.Tensor, top: torch.Tensor, group_siz
             torch.div(x, s, out=q).round_().add_(z).clamp_(min=0)
             torch.minimum(q, top, out=q)
             codes[col] = q
-            torch.sub(q, z, out=err).mul_(s).neg_().add_(x).div_(diag[col])  # (x - (q - z) s) / d
-            loss.addcmul_(err, err)
+            torch.sub(q, z, out=deq).mul_(s)
+            x.sub_(deq).div_(diag[col])  # the column's scaled error (x - (q - z) s) / d, in its place
             if i + 1 < i2 - i1:
-                W1[i + 1:].addr_(Hinv1[i, i + 1:], err, alpha=-1)
-            Err1[i] = err
+                W1[i + 1:].addr_(Hinv1[i, i + 1:], x, alpha=-1)
         if i2 < in_f:
-            W[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)
+            W[i2:].addmm_(Hinv[i1:i2, i2:].t(), W1, alpha=-1)
     if perm is not None:
         codes = torch.empty_like(codes).index_copy_(0, perm, codes)
-    return codes.t().contiguous(), scales.t().half(), zeros.t().to(torch.uint8), loss
+    return codes.t().contiguous(), scales.t().half(), zeros.t().to(torch.uint8), W.t()
 
 
 def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,

@@ -74,7 +74,7 @@ def whiten_mode(t: torch.Tensor, s: torch.Tensor, mode: int) -> torch.Tensor:
 
 
 def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
-                 d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 d: torch.Tensor | None = None, energy: bool = False) -> tuple:
     """Best rank-`rank` W' for the output error ‖(W - W') Xᵀ‖ (SVD-LLM): SVD of W S, S⁻¹ folded in.
 
     ``s``: the whitening factor (lower triangular, `whitening_factor`) or, for ASVD, a 1-D vector of
@@ -82,7 +82,9 @@ def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
     shapes, hence the same factored forward cost, as plain `truncated_svd` — and all singular values
     of W S (float64), whose tail beyond `rank` squared and summed is the whitened truncation loss.
     ``d`` (optional, 1-D over output channels): weights of the output error as well, ‖D (W - W') Xᵀ‖
-    (Fisher-weighted SVD with d = sqrt of the outputs' mean squared loss gradient).
+    (Fisher-weighted SVD with d = sqrt of the outputs' mean squared loss gradient). ``energy=True``: ‖D W S‖² as a
+    fourth value (a float), so that the loss the fit leaves, ‖D (W - W') S‖² = ‖D W S‖² - Σ_{i < rank} σ_i², needs no
+    product of its own (exact for every way `_svd` takes: W' is D W S's projection on its top directions found).
     """
     _check_rank("whitened_svd", w, rank)
     s, d = _beside(w, s, d)
@@ -99,6 +101,8 @@ def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
         v = b / s
     else:  # v = b S⁻¹  <=>  vᵀ = S⁻ᵀ bᵀ
         v = unwhiten_factor(s, b.T).T
+    if energy:
+        return u.float(), v.float(), S, float(ws.pow(2).sum())
     return u.float(), v.float(), S
 
 

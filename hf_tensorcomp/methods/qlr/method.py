@@ -66,10 +66,11 @@ RANK_RUNGS = (0, 8, 16, 32, 64, 128, 256)
 DEFAULT_BITS = tuple(b for b in BITS if b != 2)
 
 
-def _errors(w: torch.Tensor, layer, s: torch.Tensor | None) -> dict:
+def _errors(w: torch.Tensor, layer, s: torch.Tensor | None, fitted: tuple | None = None) -> dict:
     """The report's errors of a built layer against `w` (float32): ``rel_error`` ‖W - W'‖ / ‖W‖, ``whitened_error``
-    ‖(W - W') S‖ / ‖W S‖ and ``quant_only_error`` the same without the correction (plain, without `s`), W' = Q + B A
-    as stored. Two products of an input-sized width, E S and W S (E = W - Q): (E - B A) S = E S - B (A S)."""
+    ‖(W - W') S‖ / ‖W S‖ and ``quant_only_error`` the same without the correction (plain, without `s`), W' = Q + B A.
+    `fitted`: (‖E S‖², ‖(E - B A) S‖²) from the correction's fit (E = W - Q; `QuantizedLowRank.fit`), else E S is
+    formed here; W S is the one product of an input-sized width left."""
     w = w.detach().float()
     e = w - layer.base_weight().detach().float()
     a, b = (layer.lora_A.detach().float(), layer.lora_B.detach().float()) if layer.rank else (None, None)
@@ -78,9 +79,12 @@ def _errors(w: torch.Tensor, layer, s: torch.Tensor | None) -> dict:
     if s is None:
         return {**out, "whitened_error": None, "quant_only_error": float(e.norm() / w.norm().clamp_min(1e-30))}
     s = s.float()
-    es, ws = e @ s, (w @ s).norm().clamp_min(1e-30)
-    fs = es if a is None else es - b @ (a @ s)
-    return {**out, "whitened_error": float(fs.norm() / ws), "quant_only_error": float(es.norm() / ws)}
+    ws = (w @ s).norm().clamp_min(1e-30)
+    if fitted is None:
+        es = e @ s
+        fitted = float(es.pow(2).sum()), float((es if a is None else es - b @ (a @ s)).pow(2).sum())
+    quant, left = (max(v, 0.0) ** 0.5 for v in fitted)
+    return {**out, "whitened_error": float(left / ws), "quant_only_error": float(quant / ws)}
 
 
 @register_method
@@ -231,13 +235,15 @@ class QuantizedLowRank(Method):
         """The quantizer's codes of `w` (of `w` R with a rotation `rot`; `plan` from `_plan`)."""
         return self._quantize_widths(w, [bits], entry, plan, group_size, estimating, rot)[0]
 
-    def _quantize_widths(self, w, widths, entry, plan, group_size=None, estimating=False, rot=None):
-        """`_quantize` at each width of `widths` (GPTQ sweeps them together: `quantize_gptq_widths`)."""
+    def _quantize_widths(self, w, widths, entry, plan, group_size=None, estimating=False, rot=None, errors=None):
+        """`_quantize` at each width of `widths` (GPTQ sweeps them together: `quantize_gptq_widths`); with `errors` (a
+        dtype; GPTQ only) [(codes, GPTQ's whitened error)]."""
         o, g = entry.options, group_size or entry.group_size
         if rot is not None:
             w = rotate(w, *rot)
         if self._gptq(entry, estimating):
-            return [q for q, _ in quantize_gptq_widths(w, widths, g, o["grid"], plan)]
+            done = quantize_gptq_widths(w, widths, g, o["grid"], plan, errors)
+            return done if errors is not None else [q for q, _ in done]
         return [quantize_rtn(w, b, g, o["grid"]) for b in widths]
 
     @staticmethod
@@ -245,10 +251,10 @@ class QuantizedLowRank(Method):
         """Q's de-quantized value in the input's own space."""
         return q.dequantize() if rot is None else unrotate(q.dequantize(), *rot)
 
-    def _derived(self, made: list | None, stats, entry, rot, device, estimating=False):
+    def _derived(self, made: list | None, stats, entry, rot, device, estimating=False, whiten=True):
         """(whitening factor, GPTQ plan) of a matrix, taken from the matrix before it when that one reads the same input
         (q / k / v, gate / up, named in that order: an equal Gram and the same rotation), else made and kept in `made`
-        in its place (one matrix's at a time: a 7B down_proj's are 2 GB)."""
+        in its place (one matrix's at a time: a 7B down_proj's are 2 GB). `whiten=False`: no whitening factor (None)."""
         gram = None if stats is None else stats.gram
         made = [] if made is None else made
         for g, r, s, plan in made:
@@ -256,22 +262,24 @@ class QuantizedLowRank(Method):
                     and (r is None or (r[1] == rot[1] and torch.equal(r[0], rot[0]))) and torch.equal(g, gram)):
                 return s, plan
         made.clear()  # the previous matrix's, freed before this one's are made
-        s, plan = self._whitening(stats, entry), self._plan(stats, entry, rot, device, estimating)
+        s, plan = self._whitening(stats, entry) if whiten else None, self._plan(stats, entry, rot, device, estimating)
         if gram is not None:
             made.append((gram, rot, s, plan))
         return s, plan
 
     def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s, rot=None, plan=None) -> tuple:
-        """(QTensor, A, B) for one matrix: quantize, fit the correction, alternate (`plan`: GPTQ's, if made)."""
+        """(QTensor, A, B, fitted) for one matrix: quantize, fit the correction, alternate (`plan`: GPTQ's, if made).
+        `fitted`: the last fit's (‖E S‖², ‖(E - B A) S‖²), E = W - Q (None: no correction fitted)."""
         w = w.detach().float()
         plan = self._plan(stats, entry, rot, w.device) if plan is None else plan
         q = self._quantize(w, bits, entry, plan, rot=rot)
-        a = b = None
+        a = b = fitted = None
         for k in range(1 + entry.options["rounds"] if rank else 0):
             if k:
                 q = self._quantize(w - b @ a, bits, entry, plan, rot=rot)
-            b, a, _ = whitened_svd(w - self._approx(q, rot), rank, s)
-        return q, a, b
+            b, a, sv, total = whitened_svd(w - self._approx(q, rot), rank, s, energy=True)
+            fitted = total, total - float(sv[:rank].pow(2).sum())
+        return q, a, b, fitted
 
     def _rung_bytes(self, lin, bits, rank, entry, group_size=None, rotated=False) -> float:
         i, o = lin.in_features, lin.out_features
@@ -320,31 +328,38 @@ class QuantizedLowRank(Method):
         d = stats.fisher.clamp_min(0).sqrt().double() if how in ("fisher", "measured") else None
         w = module.weight.detach().float()
         rot = None if table else self._rotation(w.shape[1], entry, w.device)
-        s, plan = self._derived(made, stats, entry, rot, w.device, estimating=True)  # shared by q / k / v, gate / up
-
         wide = min(w.shape) > EXACT_SPECTRUM  # float32 products where the spectrum is estimated anyway
+        # GPTQ's own scaled error is the error whitened by its plan's Gram (`quantize_gptq_widths`): no E S product per
+        # width, no whitening factor (the plan's damping, gptq_damping, stands in for the whitening's, damping)
+        swept = entry.options["whiten"] and self._gptq(entry, estimating=True) and not table
+        s, plan = self._derived(made, stats, entry, rot, w.device, estimating=True, whiten=not swept)  # q/k/v, gate/up
         s_ = None if s is None else s.float() if wide else s
 
-        def weighted(m, rows=slice(None)):
+        def weighted(m, rows=slice(None), whitened=False):
             m = m[rows].float() if wide else m[rows].double()
-            m = m @ s_ if s_ is not None else m
+            m = m @ s_ if s_ is not None and not whitened else m
             return m * d[rows, None].to(m.dtype) if d is not None else m
 
-        def energy(m, step=8192):  # ‖weighted(m)‖², a block of rows at a time (a vocabulary-sized table)
-            return sum(float(weighted(m, slice(i, i + step)).double().pow(2).sum()) for i in range(0, m.shape[0], step))
+        def energy(m, step=8192, whitened=False):  # ‖weighted(m)‖², a block of rows at a time (a vocabulary-sized table)
+            return sum(float(weighted(m, slice(i, i + step), whitened).double().pow(2).sum()) for i in range(0, m.shape[0], step))
 
         if how in ("fisher", "measured"):
             ref = 2.0  # the loss itself: ½ Σ Fisher x squared output error
         else:
-            ref = energy(w) / (w.numel() if how == "size" else 1)
+            ref = (self._plan_energy(w, stats.gram, entry) if swept else energy(w)) / (w.numel() if how == "size" else 1)
         ranks = [r for r in ranks if r < min(w.shape) // 2]
         points, probe = [], None
-        for b, q in zip(bits, self._quantize_widths(w, bits, entry, plan, group_size, estimating=True, rot=rot)):
+        errors = (torch.bfloat16 if wide else torch.float32) if swept else None  # bf16: a 7B matrix's widths in 0.9 GB
+        done = self._quantize_widths(w, bits, entry, plan, group_size, estimating=True, rot=rot, errors=errors)
+        for b, q in zip(bits, done):
+            q, err = q if swept else (q, None)
             if alloc.measured and b == bits[0]:  # the cheapest rung, for the measurement
                 probe = partial(self._approx, q, rot)
-            err = w - self._approx(q, rot)
+            if err is None:
+                err = w - self._approx(q, rot)
             # the squared (weighted) error each rank of correction leaves; rank 0 alone: the whole error, no SVD
-            tails = spectrum_tails(weighted(err), ranks) if any(ranks) else [energy(err)] * len(ranks)
+            tails = (spectrum_tails(weighted(err, whitened=swept), ranks) if any(ranks)
+                     else [energy(err, whitened=swept)] * len(ranks))
             del err, q
             for r, tail in zip(ranks, tails):
                 cost = copies * self._rung_bytes(module, b, r, entry, group_size, rot is not None) / 2
@@ -360,6 +375,16 @@ class QuantizedLowRank(Method):
         return Ladder([p[0] for p in front], [p[1] for p in front], settings=[p[2] for p in front], uniform=uniform,
                       probe=probe)
 
+    @staticmethod
+    def _plan_energy(w, gram, entry) -> float:
+        """‖W‖² on the GPTQ plan's damped Gram, tr(W (G + δ I) Wᵀ) with δ = ``gptq_damping`` x mean(diag G) (any
+        rotation leaves it as it is; dead inputs aside): the output energy GPTQ's whitened errors are measured against.
+        Float32 above `EXACT_SPECTRUM` inputs and outputs, as the ladder's products."""
+        dtype = torch.float32 if min(w.shape) > EXACT_SPECTRUM else torch.float64
+        w, g = w.to(dtype), gram.to(w.device, dtype)
+        delta = entry.options["gptq_damping"] * float(g.diagonal().double().mean())
+        return float(((w @ g) * w).double().sum()) + delta * float(w.double().pow(2).sum())
+
     def compress(self, modules, entry, ctx):
         out, made = {}, []  # made: (Gram, rotation, whitening, plan) of this unit's matrices so far
         for name, lin in modules.items():
@@ -370,9 +395,9 @@ class QuantizedLowRank(Method):
                 bits, rank = entry.options["bits"], min(entry.rank, min(lin.weight.shape))
             rot = self._rotation(lin.in_features, entry, lin.weight.device)
             s, plan = self._derived(made, stats, entry, rot, lin.weight.device)
-            q, a, b = self.fit(lin.weight, bits, rank, entry, stats, s, rot, plan)
+            q, a, b, fitted = self.fit(lin.weight, bits, rank, entry, stats, s, rot, plan)
             bias = None if lin.bias is None else lin.bias.detach()
             new = QuantizedLowRankLinear.build(q, a, b, bias, lin.weight.dtype, rotation=rot)
-            errors = {k: None if v is None else round(v, 6) for k, v in _errors(lin.weight, new, s).items()}
+            errors = {k: None if v is None else round(v, 6) for k, v in _errors(lin.weight, new, s, fitted).items()}
             out[name] = (new, {"bits": bits, "rank": rank, "group_size": entry.group_size, **errors})
         return out
