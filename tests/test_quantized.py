@@ -1065,3 +1065,24 @@ def test_whitened_svd_above_the_threshold_is_as_good_as_the_svd(monkeypatch, ran
     best = float(((w - u @ v).double() @ s).norm())
     got = float(((w - u2 @ v2).double() @ s).norm())
     assert best * (1 - 1e-6) <= got <= best * (1.01 if rank + 16 < 50 else 1 + 1e-6)
+
+
+@pytest.mark.parametrize("n, dtype", [(600, torch.float64), (2100, torch.float32)])
+def test_gptq_inverse_is_the_upper_cholesky_factor_of_the_damped_inverse_gram(n, dtype):
+    """GPTQ's plan factor, made from one Cholesky of the reversed Gram and a triangular inverse by halves: LAPACK's
+    upper Cholesky factor of (H + δI)⁻¹ (a dead input at 1 + δ), in the given order; float32 above 2,048 inputs."""
+    from hf_tensorcomp.decompositions.quantize import gptq_inverse
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n + 50, n, generator=gen, dtype=torch.float64)
+    x[:, 3] = 0  # a dead input
+    gram = x.T @ x
+    perm = torch.randperm(n, generator=gen)
+    u = gptq_inverse(gram, 0.01, perm)
+    assert u.dtype == dtype and torch.equal(u, u.triu()) and bool((u.diagonal() > 0).all())
+    h = gram[perm][:, perm].clone()
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    h.diagonal().add_(0.01 * h.diagonal().mean())
+    want = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
+    assert torch.allclose(u.double(), want, rtol=0, atol=(1e-10 if dtype == torch.float64 else 1e-5) * float(want.abs().max()))
