@@ -88,7 +88,8 @@ def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
     """
     _check_rank("whitened_svd", w, rank)
     s, d = _beside(w, s, d)
-    ws = _weighted(w, s, d)
+    # float32 above `EXACT_SPECTRUM` singular values, where `_svd` works in float32 anyway (a 7B matrix: half the time)
+    ws = _weighted(w, s, d, torch.float32 if min(w.shape) > EXACT_SPECTRUM else torch.float64)
     U, S, Vh = _svd(ws, rank)
     root = S[:rank].sqrt()
     u = U[:, :rank] * root
@@ -102,12 +103,13 @@ def whitened_svd(w: torch.Tensor, rank: int, s: torch.Tensor | None,
     else:  # v = b S⁻¹  <=>  vᵀ = S⁻ᵀ bᵀ
         v = unwhiten_factor(s, b.T).T
     if energy:
-        return u.float(), v.float(), S, float(ws.pow(2).sum())
+        return u.float(), v.float(), S, float(ws.double().pow(2).sum())
     return u.float(), v.float(), S
 
 
 def _svd(m: torch.Tensor, rank: int, oversample: int = 16, power: int = 4, seed: int = 0):
-    """(U[:, :rank], singular values, Vh[:rank]) of `m` (float64), by the cheapest way that is exact enough:
+    """(U[:, :rank], singular values, Vh[:rank]) of `m` (float64; float32 above the threshold), float64 results, by the
+    cheapest way that is exact enough:
     LAPACK's SVD up to `EXACT_SPECTRUM` singular values; above it, for a rank under a quarter of them, a randomized
     range finder (`spectrum_tails`' parameters; the values then only the top rank + `oversample`), else the
     eigenvectors of the smaller Gram in float32 (a third of float64's SVD's time on a 4096-wide matrix; directions
@@ -122,14 +124,14 @@ def _svd(m: torch.Tensor, rank: int, oversample: int = 16, power: int = 4, seed:
         q = torch.linalg.qr(mf @ torch.randn(m.shape[1], rank + oversample, generator=gen, device=m.device)).Q
         for _ in range(power):
             q = torch.linalg.qr(mf @ torch.linalg.qr(mf.T @ q).Q).Q
-        q = q.double()
-        U, S, Vh = torch.linalg.svd(q.T @ m, full_matrices=False)
-        return (q @ U)[:, :rank], S, Vh[:rank]
+        U, S, Vh = torch.linalg.svd((q.T @ mf).double(), full_matrices=False)
+        return (q.double() @ U)[:, :rank], S, Vh[:rank]
     tall = m.shape[0] >= m.shape[1]
     mf = m.float()
     ev, vec = torch.linalg.eigh(mf.T @ mf if tall else mf @ mf.T)
-    S, vec = ev.double().flip(0).clamp_min(0).sqrt(), vec.double().flip(1)[:, :rank]
-    other = m @ vec if tall else m.T @ vec  # U_r S_r (tall) or V_r S_r
+    S, vec = ev.double().flip(0).clamp_min(0).sqrt(), vec.flip(1)[:, :rank]
+    other = (mf @ vec if tall else mf.T @ vec).double()  # U_r S_r (tall) or V_r S_r
+    vec = vec.double()
     other = torch.where(S[:rank] > S[0] * 1e-12, other / S[:rank].clamp_min(1e-300), 0.0)
     return (other, S, vec.T) if tall else (vec, S, other.T)
 
@@ -139,13 +141,13 @@ def _beside(w: torch.Tensor, *stats):
     return tuple(None if t is None else t.to(w.device) for t in stats)
 
 
-def _weighted(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None) -> torch.Tensor:
-    """D W S in float64 (S: whitening factor or 1-D scales; either side may be None)."""
-    wd = w.detach().double()
+def _weighted(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None, dtype=torch.float64) -> torch.Tensor:
+    """D W S in `dtype` (S: whitening factor or 1-D scales; either side may be None)."""
+    wd = w.detach().to(dtype)
     if s is not None:
-        wd = wd * s if s.ndim == 1 else wd @ s
+        wd = wd * s.to(dtype) if s.ndim == 1 else wd @ s.to(dtype)
     if d is not None:
-        wd = d.double()[:, None] * wd
+        wd = d.to(dtype)[:, None] * wd
     return wd
 
 
@@ -153,10 +155,9 @@ def whitened_spectrum(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor |
     """Singular values (float64) of D W S (see `whitened_svd`; None on a side: no weighting there): above
     `EXACT_SPECTRUM` of them, the square roots of the smaller Gram's eigenvalues in float32 (no vectors: a fraction of
     the SVD's time; a value is off by about 1e-7 of the largest σ², which moves a tail sum by as little)."""
-    m = _weighted(w, s, d)
-    if min(m.shape) <= EXACT_SPECTRUM:
-        return torch.linalg.svdvals(m)
-    m = m.float()
+    if min(w.shape) <= EXACT_SPECTRUM:
+        return torch.linalg.svdvals(_weighted(w, s, d))
+    m = _weighted(w, s, d, torch.float32)
     return torch.linalg.eigvalsh(m.T @ m if m.shape[0] >= m.shape[1] else m @ m.T).double().flip(0).clamp_min(0).sqrt()
 
 

@@ -49,7 +49,7 @@ from functools import partial
 import torch
 
 from ...decompositions.hadamard import rotate, rotate_gram, rotation_block, rotation_signs, unrotate
-from ...decompositions.quantize import BITS, GRIDS, gptq_plan, quantize_gptq_widths, quantize_rtn, stored_bytes
+from ...decompositions.quantize import BITS, GRIDS, PLAN_FLOAT64_UP_TO, gptq_plan, quantize_gptq_widths, quantize_rtn, stored_bytes
 from ...decompositions.svd import EXACT_SPECTRUM, spectrum_tails, whitened_svd, whitening_factor
 from ...validation import choices, fail, is_int, is_number
 from ..base import Allocation, Ladder, Method, register_method
@@ -227,7 +227,9 @@ class QuantizedLowRank(Method):
         where the quantizer needs none. The rotated Gram is released once the plan is made."""
         if not self._gptq(entry, estimating):
             return None
-        gram = stats.gram if rot is None else rotate_gram(stats.gram.double(), *rot)
+        gram = stats.gram
+        if rot is not None:  # rotated in the plan's precision (float32 above PLAN_FLOAT64_UP_TO inputs)
+            gram = rotate_gram(gram.float() if gram.shape[0] > PLAN_FLOAT64_UP_TO else gram.double(), *rot)
         o = entry.options
         return gptq_plan(gram.to(device), o["gptq_damping"], o["act_order"])
 
