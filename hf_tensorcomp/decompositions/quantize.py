@@ -269,6 +269,7 @@ def quantize_gptq_widths(w: torch.Tensor, widths, group_size: int, grid: str, pl
     for ws in together:
         step = max(1, GPTQ_BLOCK_BYTES // (4 * in_f * len(ws)))
         parts = []
+        errs = [torch.empty(out_f, in_f, dtype=errors, device=w.device) for _ in ws] if errors is not None else None
         for r0 in range(0, out_f, step):
             rows = w[r0: r0 + step]
             static = None
@@ -279,15 +280,16 @@ def quantize_gptq_widths(w: torch.Tensor, widths, group_size: int, grid: str, pl
                 static = tuple(torch.cat([t[k].view(rows.shape[0], -1) for t in grids]) for k in range(2))
             top = torch.tensor([2**b - 1 for b in ws], dtype=torch.float32, device=w.device).repeat_interleave(rows.shape[0])
             *made, err = _gptq_rows(rows, Hinv, top, group_size, grid, static, perm, bits=ws[0], copies=len(ws))
-            parts.append((*made, None if errors is None else err.to(errors)))
+            parts.append(made)
+            for k in range(len(ws) if errs is not None else 0):  # each width's rows into its own matrix, as they come
+                errs[k][r0: r0 + rows.shape[0]].copy_(err.view(len(ws), -1, in_f)[k])
             del err
         for k, bits in enumerate(ws):  # the rows of width `bits` out of each block's stack
-            mine = [tuple(None if t is None else t.view(len(ws), -1, *t.shape[1:])[k] for t in p) for p in parts]
+            mine = [tuple(t.view(len(ws), -1, *t.shape[1:])[k] for t in p) for p in parts]
             codes, scales, zeros = (torch.cat([m[j] for m in mine]) for j in range(3))
-            err = None if errors is None else torch.cat([m[3] for m in mine])
             results.append((QTensor(codes.reshape(-1), scales.reshape(-1), zeros.reshape(-1), bits, group_size, (out_f, in_f)),
-                            err))
-        del parts
+                            None if errs is None else errs[k]))
+        del parts, errs
     order = [b for ws in together for b in ws]
     return [results[order.index(b)] for b in widths]
 

@@ -353,8 +353,8 @@ class QuantizedLowRank(Method):
         points, probe = [], None
         errors = (torch.bfloat16 if wide else torch.float32) if swept else None  # bf16: a 7B matrix's widths in 0.9 GB
         done = self._quantize_widths(w, bits, entry, plan, group_size, estimating=True, rot=rot, errors=errors)
-        for b, q in zip(bits, done):
-            q, err = q if swept else (q, None)
+        for b in bits:
+            q, err = done.pop(0) if swept else (done.pop(0), None)  # each width's released once priced
             if alloc.measured and b == bits[0]:  # the cheapest rung, for the measurement
                 probe = partial(self._approx, q, rot)
             if err is None:
