@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = [  # names before and after the change of issue 99 (`ladder` became `_ladder`; the widths swept together)
     ("ladders: quantizer (GPTQ / RTN) per width", ("_quantize", "_quantize_widths"), ("ladder", "_ladder")),
     ("ladders: error spectra (SVD) per width", ("svdvals", "spectrum_tails"), ("ladder", "_ladder")),
-    ("ladders: error energy, no correction", ("energy",), ("ladder", "_ladder")),
+    ("ladders: energies (an error's, the weight's)", ("energy", "_plan_energy"), ("ladder", "_ladder")),
     ("ladders: GPTQ plan (inverse Gram)", ("_plan",), ("ladder",)),
     ("ladders: whitening factor (Cholesky)", ("_whitening",), ("ladder",)),
     ("ladders: GPTQ plan and whitening (one per input)", ("_derived",), ("_ladder",)),
