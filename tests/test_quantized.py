@@ -1086,3 +1086,27 @@ def test_gptq_inverse_is_the_upper_cholesky_factor_of_the_damped_inverse_gram(n,
     h.diagonal().add_(0.01 * h.diagonal().mean())
     want = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
     assert torch.allclose(u.double(), want, rtol=0, atol=(1e-10 if dtype == torch.float64 else 1e-5) * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lower_product_is_the_product_with_a_lower_triangular_factor(dtype):
+    from hf_tensorcomp.decompositions.svd import lower_product
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 1100, generator=gen, dtype=dtype)
+    s = torch.randn(1100, 1100, generator=gen, dtype=dtype).tril()
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    assert torch.allclose(lower_product(w, s), w @ s, rtol=0, atol=tol * float((w @ s).abs().max()))
+
+
+def test_whitening_factor_above_the_float64_threshold_factors_the_damped_gram():
+    from hf_tensorcomp.decompositions.svd import WHITEN_FLOAT64_UP_TO, whitening_factor
+
+    n = WHITEN_FLOAT64_UP_TO + 64
+    x = torch.randn(n + 100, n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    g = x.T @ x
+    s = whitening_factor(g, 1e-4)
+    h = g.clone()
+    h.diagonal().add_(1e-4 * g.diagonal().mean())
+    assert s.dtype == torch.float64 and torch.equal(s, s.tril())
+    assert torch.allclose(s @ s.T, h, rtol=0, atol=1e-5 * float(h.abs().max()))

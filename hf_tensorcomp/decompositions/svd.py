@@ -35,8 +35,12 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     return round((diff / norm).item(), 6)
 
 
+WHITEN_FLOAT64_UP_TO = 2048  # inputs up to which the whitening factor is computed in float64 (above: float32 first)
+
+
 def whitening_factor(gram: torch.Tensor, damping: float = 1e-4) -> torch.Tensor:
-    """Lower-triangular S with S Sᵀ = G + λI (SVD-LLM's whitening), in float64.
+    """Lower-triangular S with S Sᵀ = G + λI (SVD-LLM's whitening), returned in float64 (computed in float32 above
+    `WHITEN_FLOAT64_UP_TO` inputs, where the products it feeds are float32 too; float64 if that Cholesky fails).
 
     ``G`` is XᵀX of the inputs (in x in). λ = ``damping`` x mean(diag G) keeps S invertible when some
     channels are (nearly) constant; if the Cholesky still fails λ grows tenfold, up to five times.
@@ -48,6 +52,10 @@ def whitening_factor(gram: torch.Tensor, damping: float = 1e-4) -> torch.Tensor:
     for _ in range(6):
         damped = g.clone()  # G + λ·mean(diag G)·I without an identity matrix beside it (memory: two Grams, not four)
         damped.diagonal().add_(lam * scale)
+        if damped.shape[0] > WHITEN_FLOAT64_UP_TO:  # float32 first (a 7B down_proj's: a third of the time)
+            s, info = torch.linalg.cholesky_ex(damped.float())
+            if int(info) == 0 and bool(torch.isfinite(s.diagonal()).all()):
+                return s.double()
         s, info = torch.linalg.cholesky_ex(damped)
         del damped
         if int(info) == 0:
@@ -141,11 +149,26 @@ def _beside(w: torch.Tensor, *stats):
     return tuple(None if t is None else t.to(w.device) for t in stats)
 
 
+def lower_product(w: torch.Tensor, s: torch.Tensor, leaf: int = 512) -> torch.Tensor:
+    """W S for a lower-triangular S, by halves ([W1 W2] [[S11, 0], [S21, S22]] = [W1 S11 + W2 S21, W2 S22]): half the
+    arithmetic of the full product (PyTorch has no triangular product, BLAS's trmm)."""
+    n = s.shape[0]
+    if n <= leaf:
+        return w @ s
+    h = n // 2
+    out = torch.empty(w.shape[0], n, dtype=torch.promote_types(w.dtype, s.dtype), device=w.device)
+    out[:, :h] = lower_product(w[:, :h], s[:h, :h], leaf).addmm_(w[:, h:], s[h:, :h])
+    out[:, h:] = lower_product(w[:, h:], s[h:, h:], leaf)
+    return out
+
+
 def _weighted(w: torch.Tensor, s: torch.Tensor | None, d: torch.Tensor | None, dtype=torch.float64) -> torch.Tensor:
-    """D W S in `dtype` (S: whitening factor or 1-D scales; either side may be None)."""
+    """D W S in `dtype` (S: whitening factor or 1-D scales; either side may be None; a lower-triangular S, as
+    `whitening_factor` gives, by `lower_product`)."""
     wd = w.detach().to(dtype)
     if s is not None:
-        wd = wd * s.to(dtype) if s.ndim == 1 else wd @ s.to(dtype)
+        s = s.to(dtype)
+        wd = wd * s if s.ndim == 1 else lower_product(wd, s) if not bool(s.triu(1).any()) else wd @ s
     if d is not None:
         wd = d.to(dtype)[:, None] * wd
     return wd

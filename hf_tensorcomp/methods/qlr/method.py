@@ -50,7 +50,7 @@ import torch
 
 from ...decompositions.hadamard import rotate, rotate_gram, rotation_block, rotation_signs, unrotate
 from ...decompositions.quantize import BITS, GRIDS, PLAN_FLOAT64_UP_TO, gptq_plan, quantize_gptq_widths, quantize_rtn, stored_bytes
-from ...decompositions.svd import EXACT_SPECTRUM, spectrum_tails, whitened_svd, whitening_factor
+from ...decompositions.svd import EXACT_SPECTRUM, lower_product, spectrum_tails, whitened_svd, whitening_factor
 from ...validation import choices, fail, is_int, is_number
 from ..base import Allocation, Ladder, Method, register_method
 from .layer import QuantizedLowRankLinear, share_input_rotations
@@ -79,9 +79,9 @@ def _errors(w: torch.Tensor, layer, s: torch.Tensor | None, fitted: tuple | None
     if s is None:
         return {**out, "whitened_error": None, "quant_only_error": float(e.norm() / w.norm().clamp_min(1e-30))}
     s = s.float()
-    ws = (w @ s).norm().clamp_min(1e-30)
+    ws = lower_product(w, s).norm().clamp_min(1e-30)  # S: the whitening's Cholesky factor, lower triangular
     if fitted is None:
-        es = e @ s
+        es = lower_product(e, s)
         fitted = float(es.pow(2).sum()), float((es if a is None else es - b @ (a @ s)).pow(2).sum())
     quant, left = (max(v, 0.0) ** 0.5 for v in fitted)
     return {**out, "whitened_error": float(left / ws), "quant_only_error": float(quant / ws)}
