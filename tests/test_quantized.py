@@ -150,6 +150,26 @@ def test_correction_is_the_whitened_closed_form_and_lowers_the_error(tiny_dirs):
     assert st["whitened_error"] == pytest.approx(float(((e - (u @ v).double()) @ s).norm() / ws), rel=1e-4)
 
 
+@pytest.mark.parametrize("rotate", [False, True])
+def test_rank_zero_report_from_gptqs_whitened_error_is_the_products(tiny_dirs, rotate):
+    """With no correction the report's whitened error comes from GPTQ's own (on its damped Gram), shifted to the
+    whitening's damping: the same number as ‖(W - Q) S‖ / ‖W S‖ formed (a wrong damping shift breaks this)."""
+    from hf_tensorcomp.calibration import LayerwiseRunner
+
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    m = _qlr(tiny_dirs, rank=0, propagate=False, rotate=rotate)
+    grams = {}
+    runner = LayerwiseRunner(dense, "model.layers", dense.model.layers, calib(), 8)
+    runner.run({0: {"0.mlp.up_proj": frozenset({"gram"})}}, lambda li, st: grams.update(st) and False, last=0,
+               progress=False)
+    w = dense.model.layers[0].mlp.up_proj.weight.detach().double()
+    s = whitening_factor(grams["0.mlp.up_proj"].gram, 1e-4)
+    e = w - m.model.layers[0].mlp.up_proj.dense_weight().double()
+    st = m.config.quantization_config.stats["modules"]["model.layers.0.mlp.up_proj"]
+    want = float((e @ s).norm() / (w @ s).norm())
+    assert st["quant_only_error"] == pytest.approx(want, rel=1e-3) and st["whitened_error"] == st["quant_only_error"]
+
+
 @pytest.mark.parametrize("allocation, kw", [("relative", {}), ("size", {}), ("fisher", {}),
                                              ("fisher", {"estimate": "quantizer", "grid": "search", "whiten": False}),
                                              ("fisher", {"estimate": "quantizer", "rotate": False})])

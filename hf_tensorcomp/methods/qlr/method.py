@@ -271,9 +271,19 @@ class QuantizedLowRank(Method):
 
     def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s, rot=None, plan=None) -> tuple:
         """(QTensor, A, B, fitted) for one matrix: quantize, fit the correction, alternate (`plan`: GPTQ's, if made).
-        `fitted`: the last fit's (‖E S‖², ‖(E - B A) S‖²), E = W - Q (None: no correction fitted)."""
+        `fitted`: the last fit's (‖E S‖², ‖(E - B A) S‖²), E = W - Q (None: not known without a product)."""
         w = w.detach().float()
         plan = self._plan(stats, entry, rot, w.device) if plan is None else plan
+        if not rank and s is not None and self._gptq(entry) and bool((stats.gram.diagonal() > 0).all()):
+            # no correction: the report's ‖E S‖² from GPTQ's own whitened error (on G + δI, δ = gptq_damping x mean
+            # diag G; S Sᵀ = G + λI): ‖E S‖² = ‖Err‖² - (δ - λ) ‖E‖², no product (no dead input, where the plan's
+            # diagonal would differ)
+            o = entry.options
+            q, err = self._quantize_widths(w, [bits], entry, plan, rot=rot, errors=torch.float32)[0]
+            shift = (o["gptq_damping"] - o["damping"]) * float(stats.gram.diagonal().double().mean())
+            e2 = float((w - self._approx(q, rot)).double().pow(2).sum())
+            quant = float(err.double().pow(2).sum()) - shift * e2
+            return q, None, None, (quant, quant)
         q = self._quantize(w, bits, entry, plan, rot=rot)
         a = b = fitted = None
         for k in range(1 + entry.options["rounds"] if rank else 0):
