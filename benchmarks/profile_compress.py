@@ -42,7 +42,7 @@ STAGES = [  # names before and after the change of issue 99 (`ladder` became `_l
     ("ladders: GPTQ plan and whitening (one per input)", ("_derived",), ("_ladder",)),
     ("LASER spectra (whitened SVD values)", ("whitened_spectrum",), None),
     ("compress: GPTQ plan (inverse Gram)", ("_plan",), ("fit",)),
-    ("compress: quantizer (GPTQ / RTN)", ("_quantize",), ("fit",)),
+    ("compress: quantizer (GPTQ / RTN)", ("_quantize", "_quantize_widths"), ("fit",)),
     ("compress: correction (whitened SVD)", ("whitened_svd",), ("fit", "compress")),
     ("compress: de-quantize (approx)", ("_approx",), ("fit",)),
     ("compress: whitening factor (Cholesky)", ("_whitening",), ("compress",)),

@@ -1119,6 +1119,14 @@ def test_lower_product_is_the_product_with_a_lower_triangular_factor(dtype):
     assert torch.allclose(lower_product(w, s), w @ s, rtol=0, atol=tol * float((w @ s).abs().max()))
 
 
+def test_gram_energy_is_the_output_energy():
+    from hf_tensorcomp.decompositions.svd import gram_energy
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(700, 1100, generator=gen, dtype=torch.float64), torch.randn(50, 1100, generator=gen, dtype=torch.float64)
+    assert gram_energy(w, x.T @ x) == pytest.approx(float((w @ x.T).pow(2).sum()), rel=1e-10)
+
+
 def test_whitening_factor_above_the_float64_threshold_factors_the_damped_gram():
     from hf_tensorcomp.decompositions.svd import WHITEN_FLOAT64_UP_TO, whitening_factor
 
