@@ -60,6 +60,11 @@ def head_gram(model: nn.Module, head: nn.Module, ids: torch.Tensor, batch_size: 
     return stats.gram.float()
 
 
+def final_norm(model: nn.Module, prefix: str) -> nn.Module | None:
+    """The norm after the decoder layers (named `prefix`) that the final hidden states go through to the head."""
+    return getattr(model.get_submodule(prefix.rpartition(".")[0]), "norm", None)
+
+
 def final_gram(model: nn.Module, runner, final) -> torch.Tensor | None:
     """XᵀX of the head's inputs from the `final` hidden states (the last decoder layer's outputs, propagated
     through the compressed layers; dropped here) through the model's final norm: what `head_gram` gathers
@@ -69,7 +74,7 @@ def final_gram(model: nn.Module, runner, final) -> torch.Tensor | None:
         return None
     from .calibration.stats import ModuleStats
 
-    norm = getattr(model.get_submodule(runner.prefix.rpartition(".")[0]), "norm", None)
+    norm = final_norm(model, runner.prefix)
     if norm is None:
         raise ValueError("compress_checkpoint: embedding_bits: this architecture has no final `norm` after its decoder "
                          "layers to give the head's inputs; allowed: embedding_bits=None, or compress in memory")
@@ -96,7 +101,7 @@ def table_plan(gram: torch.Tensor) -> tuple:
 
 
 def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch.Tensor | None = None,
-                        batch_size: int = 8) -> dict:
+                        batch_size: int = 8, gram: torch.Tensor | None = None) -> dict:
     """The input embedding and the output head stored as `bits`-bit codes in groups of `group_size` along
     each row; a tied head reads the embedding's codes, so the table is stored once, and transformers' own
     tying is switched off (``tie_word_embeddings=False``: this module is the tie).
@@ -106,14 +111,16 @@ def quantize_embeddings(model: nn.Module, bits: int, group_size: int, ids: torch
     groups of 128: round to nearest in the head alone 1.155x dense perplexity, in the lookups alone 1.007x;
     GPTQ tied 1.058x; the head's relative output error on the calibration text 0.122 rounded to nearest,
     0.053 GPTQ in column order, 0.045 in activation order); without, round to nearest. An untied
-    embedding is always rounded to nearest."""
+    embedding is always rounded to nearest. `gram`: that Gram, when the caller has it (`final_gram` of the
+    compression pass's propagated states: no forward pass of the model here)."""
     from .decompositions.quantize import quantize_gptq
 
     emb_name, head_name = table_names(model)
     emb = model.get_submodule(emb_name)
     head = model.get_submodule(head_name) if head_name else None
     tied = head is not None and head.weight is emb.weight
-    gram = head_gram(model, head, ids, batch_size) if head is not None and ids is not None else None
+    if gram is None:
+        gram = head_gram(model, head, ids, batch_size) if head is not None and ids is not None else None
     quantizer = "gptq" if gram is not None else "rtn"
 
     def q(w):

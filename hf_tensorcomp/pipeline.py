@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from . import checks, distributed
 from .calibration.data import calibration_tokenizer, describe
 from .config import TensorCompressionConfig, table_entry
-from .embedding_tables import final_gram, quantize_embeddings, table_names
+from .embedding_tables import final_gram, final_norm, quantize_embeddings, table_names
 from .layers import FactorizedModule
 from .budget import _by_layer, _layer_of, allocate
 from .methods import attach, get_method
@@ -115,8 +115,15 @@ def compress_model(model: nn.Module, config: TensorCompressionConfig, work=None,
                 module_stats.update(stream.quantize_table(bits, config.embedding_group_size, final_gram(model, runner, final)))
             else:
                 ids = runner.ids if runner is not None else _calibration_ids(model, config)
+                # the propagated final states are the compressed model's head inputs unless a whole-model step
+                # changed it since, or the model has no final norm to take them through (a forward pass then)
+                gram = None
+                if final is not None and not finished and final_norm(model, runner.prefix) is not None:
+                    gram = final_gram(model, runner, final)
+                elif final is not None:
+                    runner.drop_states(final)
                 module_stats.update(quantize_embeddings(model, bits, config.embedding_group_size, ids,
-                                                        config.calibration_batch_size))
+                                                        config.calibration_batch_size, gram=gram))
     finally:
         model.train(was_training)
     record(model, config, (params_before, bytes_before), time.perf_counter() - t0, module_stats, finished, runner,
@@ -180,7 +187,7 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
     next layer sees the compressed layer's outputs. `healer` (`hf_tensorcomp.healing.StreamHealer`,
     streaming only): every layer, compressed or not, is healed once its units are compressed and the
     calibration stream has moved on. Returns ({full module name: its stats}, the last decoder layer's
-    outputs when streaming with ``embedding_bits`` — what `final_gram` reads — else None).
+    outputs with ``embedding_bits`` when streaming or propagating — what `final_gram` reads — else None).
     """
     prefix, layer_list = find_decoder_layers(model)
     ctx = model_context(model)
@@ -252,7 +259,8 @@ def compress_units(model: nn.Module, config: TensorCompressionConfig, work, meth
                             for k, names in by_last.get(li, [])])
         return li in by_last
 
-    keep = stream is not None and bool(config.embedding_bits)  # the final states: the streamed table's GPTQ reads them
+    # the final states: the table's GPTQ reads them (streaming; in memory, where they are the compressed model's)
+    keep = bool(config.embedding_bits) and (stream is not None or config.propagate)
     final = runner.run(wanted, on_layer, last=len(layer_list) - 1 if keep or healer else max(by_last),
                        propagate=config.propagate, progress=config.progress, stream=stream, keep_last=keep,
                        after=healer.after if healer is not None else None)

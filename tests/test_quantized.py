@@ -1138,3 +1138,23 @@ def test_whitening_factor_above_the_float64_threshold_factors_the_damped_gram():
     h.diagonal().add_(1e-4 * g.diagonal().mean())
     assert s.dtype == torch.float64 and torch.equal(s, s.tril())
     assert torch.allclose(s @ s.T, h, rtol=0, atol=1e-5 * float(h.abs().max()))
+
+
+def test_in_memory_table_gram_comes_from_the_propagated_final_states(tiny_dirs, monkeypatch):
+    """With calibration and propagation the table's GPTQ reads the compression pass's own final states (through the
+    final norm) instead of a forward pass of the compressed model: the same Gram, so the same table."""
+    import hf_tensorcomp.embedding_tables as tables
+    import hf_tensorcomp.pipeline as pipeline
+
+    cfg = dict(method="qlr", bits=4, rank=2, group_size=16, progress=False, embedding_bits=4, embedding_group_size=16,
+               calibration=calib())
+    calls = []
+    real = tables.head_gram
+    monkeypatch.setattr(tables, "head_gram", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fast = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(**cfg))
+    assert not calls  # no forward pass of the whole model for the table
+    monkeypatch.setattr(pipeline, "final_norm", lambda *a: None)  # as for a model with no final norm
+    slow = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], quantization_config=TensorCompressionConfig(**cfg))
+    assert calls
+    a, b = fast.get_input_embeddings().weight, slow.get_input_embeddings().weight
+    assert torch.allclose(a, b, rtol=0, atol=1e-6), float((a - b).abs().max())
