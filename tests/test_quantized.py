@@ -1158,3 +1158,11 @@ def test_in_memory_table_gram_comes_from_the_propagated_final_states(tiny_dirs, 
     assert calls
     a, b = fast.get_input_embeddings().weight, slow.get_input_embeddings().weight
     assert torch.allclose(a, b, rtol=0, atol=1e-6), float((a - b).abs().max())
+
+
+def test_gram_of_is_the_inputs_gram():
+    from hf_tensorcomp.decompositions.svd import gram_of
+
+    x = torch.randn(300, 1100, generator=torch.Generator().manual_seed(0))
+    g = gram_of(x)
+    assert torch.allclose(g, x.T @ x, rtol=0, atol=1e-4 * float((x.T @ x).abs().max())) and torch.equal(g, g.T)

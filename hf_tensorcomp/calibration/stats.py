@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from ..decompositions.svd import gram_of
 from ..layout import first_output
 
 KINDS = ("gram", "abs_mean", "inputs", "fisher", "cross", "attention", "calls", "sequences", "weight_grad")
@@ -147,7 +148,7 @@ class StatsHooks:
                 if self._last is not None and self._last[0] is x:
                     gram = self._last[1]
                 else:
-                    gram = x2.T @ x2
+                    gram = gram_of(x2)
                     self._last = (x, gram)
             dense_x = None
             if self._dense is not None and name in self._dense:

@@ -162,6 +162,21 @@ def lower_product(w: torch.Tensor, s: torch.Tensor, leaf: int = 512) -> torch.Te
     return out
 
 
+def gram_of(x: torch.Tensor, leaf: int = 256) -> torch.Tensor:
+    """XᵀX by halves ([X1 X2]: X1ᵀX1 and X2ᵀX2 by halves, X2ᵀX1 once, its transpose above the diagonal): three
+    quarters of the arithmetic of the full product at each split (PyTorch has no symmetric product, BLAS's syrk);
+    a quarter less time at 576 and 1,536 inputs."""
+    n = x.shape[1]
+    if n <= leaf:
+        return x.T @ x
+    h = n // 2
+    out = x.new_empty(n, n)
+    out[:h, :h], out[h:, h:] = gram_of(x[:, :h], leaf), gram_of(x[:, h:], leaf)
+    out[h:, :h] = x[:, h:].T @ x[:, :h]
+    out[:h, h:] = out[h:, :h].T
+    return out
+
+
 def gram_energy(w: torch.Tensor, gram: torch.Tensor) -> float:
     """tr(W G Wᵀ) = ‖W Xᵀ‖² for G = XᵀX symmetric, in `w`'s dtype: 2 tr(W L Wᵀ) + Σ_j G_jj ‖W_:j‖² with L the strict lower
     triangle (`lower_product`: half the arithmetic of W G)."""
