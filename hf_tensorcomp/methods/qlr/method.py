@@ -259,9 +259,12 @@ class QuantizedLowRank(Method):
         in its place (one matrix's at a time: a 7B down_proj's are 2 GB). `whiten=False`: no whitening factor (None)."""
         gram = None if stats is None else stats.gram
         made = [] if made is None else made
-        for g, r, s, plan in made:
+        for k, (g, r, s, plan) in enumerate(made):
             if (gram is not None and g.shape == gram.shape and (r is None) == (rot is None)
                     and (r is None or (r[1] == rot[1] and torch.equal(r[0], rot[0]))) and torch.equal(g, gram)):
+                if s is None and whiten:  # the matrix before needed none
+                    s = self._whitening(stats, entry)
+                    made[k] = (g, r, s, plan)
                 return s, plan
         made.clear()  # the previous matrix's, freed before this one's are made
         s, plan = self._whitening(stats, entry) if whiten else None, self._plan(stats, entry, rot, device, estimating)
