@@ -69,8 +69,9 @@ DEFAULT_BITS = tuple(b for b in BITS if b != 2)
 def _errors(w: torch.Tensor, layer, s: torch.Tensor | None, fitted: tuple | None = None) -> dict:
     """The report's errors of a built layer against `w` (float32): ``rel_error`` ‖W - W'‖ / ‖W‖, ``whitened_error``
     ‖(W - W') S‖ / ‖W S‖ and ``quant_only_error`` the same without the correction (plain, without `s`), W' = Q + B A.
-    `fitted`: (‖E S‖², ‖(E - B A) S‖²) from the correction's fit (E = W - Q; `QuantizedLowRank.fit`), else E S is
-    formed here; W S is the one product of an input-sized width left."""
+    `fitted`: (‖E S‖², ‖(E - B A) S‖²) from the correction's fit (E = W - Q; `QuantizedLowRank.fit`), or with no
+    correction (‖Err‖², shift) from GPTQ's whitened error, ‖E S‖² = ‖Err‖² - shift ‖E‖²; else E S is formed here;
+    W S is the one product of an input-sized width left."""
     w = w.detach().float()
     e = w - layer.base_weight().detach().float()
     a, b = (layer.lora_A.detach().float(), layer.lora_B.detach().float()) if layer.rank else (None, None)
@@ -83,6 +84,9 @@ def _errors(w: torch.Tensor, layer, s: torch.Tensor | None, fitted: tuple | None
     if fitted is None:
         es = lower_product(e, s)
         fitted = float(es.pow(2).sum()), float((es if a is None else es - b @ (a @ s)).pow(2).sum())
+    elif a is None:  # GPTQ's whitened error, shifted to the whitening's damping
+        quant = fitted[0] - fitted[1] * float(e.double().pow(2).sum())
+        fitted = quant, quant
     quant, left = (max(v, 0.0) ** 0.5 for v in fitted)
     return {**out, "whitened_error": float(left / ws), "quant_only_error": float(quant / ws)}
 
@@ -274,7 +278,8 @@ class QuantizedLowRank(Method):
 
     def fit(self, w: torch.Tensor, bits: int, rank: int, entry, stats, s, rot=None, plan=None) -> tuple:
         """(QTensor, A, B, fitted) for one matrix: quantize, fit the correction, alternate (`plan`: GPTQ's, if made).
-        `fitted`: the last fit's (‖E S‖², ‖(E - B A) S‖²), E = W - Q (None: not known without a product)."""
+        `fitted`: the last fit's (‖E S‖², ‖(E - B A) S‖²), E = W - Q; with no correction, from GPTQ's whitened error
+        (‖Err‖², (δ - λ)): ‖E S‖² = ‖Err‖² - (δ - λ) ‖E‖², `_errors` having E; None: not known without a product."""
         w = w.detach().float()
         plan = self._plan(stats, entry, rot, w.device) if plan is None else plan
         if not rank and s is not None and self._gptq(entry) and bool((stats.gram.diagonal() > 0).all()):
@@ -284,9 +289,7 @@ class QuantizedLowRank(Method):
             o = entry.options
             q, err = self._quantize_widths(w, [bits], entry, plan, rot=rot, errors=torch.float32)[0]
             shift = (o["gptq_damping"] - o["damping"]) * float(stats.gram.diagonal().double().mean())
-            e2 = float((w - self._approx(q, rot)).double().pow(2).sum())
-            quant = float(err.double().pow(2).sum()) - shift * e2
-            return q, None, None, (quant, quant)
+            return q, None, None, (float(err.double().pow(2).sum()), shift)  # `_errors` takes the shift with ‖E‖²
         q = self._quantize(w, bits, entry, plan, rot=rot)
         a = b = fitted = None
         for k in range(1 + entry.options["rounds"] if rank else 0):
